@@ -1,0 +1,64 @@
+"""`python -m trainer [overrides]`: one run; `python -m trainer -m ...`: a sweep."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from datetime import datetime
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig
+
+from trainer.cli_checks import check_command_line
+from trainer.config import TrainerError, register_schema
+from trainer.distributed import started_by_torchrun
+from trainer.trainer import Trainer
+
+register_schema()
+log = logging.getLogger("trainer")
+
+
+@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+def train(cfg: DictConfig) -> float | None:
+    hydra_cfg = HydraConfig.get()
+    trainer = Trainer.for_run(cfg, hydra_cfg.runtime.output_dir, list(hydra_cfg.overrides.task))
+    try:
+        metrics = trainer.fit()
+    except TrainerError as error:
+        if hydra_cfg.mode == RunMode.MULTIRUN:
+            raise  # the sweep goes on with the next job and reports this one at the end
+        log.error("%s", error)
+        sys.exit(1)
+    if metrics["status"] == "interrupted":
+        sys.exit(130)
+    return metrics["test_acc"]
+
+
+def torchrun_overrides() -> list[str]:
+    """Under torchrun every rank runs this file: give them one shared run folder, and let only
+    rank 0 write Hydra's files there."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    run_id = run_id if run_id != "none" else f"{os.getppid()}-{os.environ['MASTER_PORT']}"
+    extra = [f"hydra.run.dir=outputs/{datetime.now():%Y-%m-%d}/torchrun-{run_id}"]
+    if os.environ["RANK"] != "0":
+        extra += ["hydra.output_subdir=null", "hydra/job_logging=disabled"]
+    return extra
+
+
+def main() -> None:
+    args = sys.argv[1:]
+    try:
+        check_command_line(args)
+    except TrainerError as error:
+        print(f"trainer: error: {error}", file=sys.stderr)
+        sys.exit(2)
+    if started_by_torchrun() and not any(arg.startswith("hydra.run.dir=") for arg in args):
+        sys.argv += torchrun_overrides()
+    train()
+
+
+if __name__ == "__main__":
+    main()

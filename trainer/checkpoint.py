@@ -1,0 +1,58 @@
+"""Atomic checkpoints (temp file + rename) and resume."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from trainer.config import TrainerError
+
+CHECKPOINT = Path("checkpoints") / "last.pt"
+
+
+def atomic_save(obj: object, path: Path) -> None:
+    """A reader sees the old file or the new one, never half of one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(path.name + ".tmp")
+    torch.save(obj, temporary)
+    os.replace(temporary, path)
+
+
+def rng_states() -> dict:
+    states = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def restore_rng_states(states: dict) -> None:
+    torch.set_rng_state(states["torch"])
+    np.random.set_state(states["numpy"])
+    random.setstate(states["python"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def resolve_checkpoint(resume: str) -> Path:
+    """A checkpoint file, or a run folder holding checkpoints/last.pt."""
+    path = Path(os.path.expanduser(resume))
+    if path.is_dir():
+        path = path / CHECKPOINT
+    if not path.is_file():
+        raise TrainerError(
+            f"resume={resume}: no checkpoint at {path}. Give a checkpoint file or a run folder "
+            f"that holds {CHECKPOINT} (e.g. resume=outputs/<date>/<time>)"
+        )
+    return path
+
+
+def load_checkpoint(resume: str) -> dict:
+    path = resolve_checkpoint(resume)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as error:
+        raise TrainerError(f"resume={resume}: {path} is not a readable checkpoint ({error})") from None

@@ -1,0 +1,123 @@
+"""Command-line checks that run before Hydra makes a run folder.
+
+A single run is composed and validated in full; a sweep has each value of each override
+composed on its own. Either way a mistake costs one line naming the fix and no folder.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from omegaconf.errors import OmegaConfBaseException
+
+from trainer.checkpoint import resolve_checkpoint
+from trainer.config import ConfigError, to_train_config, unknown_key_message
+from trainer.distributed import started_by_torchrun
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+HYDRA_FLAGS_WITH_VALUE = {
+    "--config-path",
+    "-cp",
+    "--config-name",
+    "-cn",
+    "--config-dir",
+    "-cd",
+    "--experimental-rerun",
+    "--info",
+    "-i",
+    "--package",
+    "-p",
+    "--cfg",
+    "-c",
+}
+
+
+def split_command_line(args: list[str]) -> tuple[list[str], bool, bool]:
+    """(overrides, is a sweep, only asks Hydra for information)."""
+    overrides, multirun, informational = [], False, False
+    skip_next = False
+    for arg in args:
+        if skip_next:
+            skip_next = False
+        elif arg in ("-m", "--multirun"):
+            multirun = True
+        elif arg.startswith("-"):
+            informational = informational or arg in (
+                "--help",
+                "-h",
+                "--hydra-help",
+                "--cfg",
+                "-c",
+                "--info",
+                "-i",
+                "--shell-completion",
+                "-sc",
+            )
+            skip_next = arg in HYDRA_FLAGS_WITH_VALUE and "=" not in arg
+        elif not arg.startswith("hydra.") and not arg.startswith("hydra/"):
+            overrides.append(arg)
+    return overrides, multirun, informational
+
+
+def check_command_line(args: list[str]) -> None:
+    overrides, multirun, _ = split_command_line(args)
+    if multirun and started_by_torchrun():
+        raise ConfigError(
+            "sweeps (-m) under torchrun are not supported: run the sweep without "
+            "torchrun; with ddp=true each job launches its own processes"
+        )
+    if not multirun:
+        check_composition(overrides)
+        return
+    for override in OverridesParser.create().parse_overrides(overrides):
+        if not override.is_sweep_override():
+            check_composition([override.input_line])
+            continue
+        if override.is_interval_sweep():
+            continue  # an optimizer's search interval: checked by the schema per job
+        key = override.get_key_element()
+        for value in override.sweep_string_iterator():
+            check_composition([f"{key}={value}"])
+
+
+def check_composition(overrides: list[str]) -> None:
+    try:
+        with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+            cfg = compose("config", overrides=overrides)
+    except Exception as error:  # Hydra's and OmegaConf's own, multi-line; keep what matters
+        raise ConfigError(explain(error)) from None
+    train_config = to_train_config(cfg)
+    if train_config.resume:
+        resolve_checkpoint(train_config.resume)
+
+
+def group_options(group: str) -> list[str]:
+    return sorted(path.stem for path in (CONF_DIR / group).glob("*.yaml"))
+
+
+def explain(error: Exception) -> str:
+    text = str(error)
+    missing = re.search(r"Could not find '(\w+)/([^']+)'", text)
+    if missing:
+        group, name = missing.groups()
+        options = group_options(group)
+        if options:
+            choices = " or ".join(f"{group}={option}" for option in options)
+            return f"unknown {group} '{name}': choose {choices}"
+    unknown = re.search(r"Could not override '([^']+)'", text) or re.search(
+        r"Key '([^']+)' is not in struct", text
+    )
+    if unknown:
+        return unknown_key_message(unknown.group(1))
+    present = re.search(r"An item is already at '([^']+)'", text)
+    if present:
+        return f"'{present.group(1)}' already exists: set it without '+' ({present.group(1)}=...)"
+    cause = error.__cause__
+    if isinstance(cause, OmegaConfBaseException):
+        key = getattr(cause, "full_key", None)
+        first = str(cause).splitlines()[0]
+        return f"invalid value for {key}: {first}" if key else first
+    return text.strip().splitlines()[0]

@@ -1,0 +1,244 @@
+"""The one typed schema. Every field is documented here and only here.
+
+YAML files under conf/ hold presets that differ from these defaults. Checks that
+span several fields live in ``__post_init__``; they run when a composed config is
+turned into these dataclasses (``to_train_config``), before anything is built.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from enum import Enum
+
+from hydra.core.config_store import ConfigStore
+from hydra.errors import CompactHydraException
+from omegaconf import DictConfig, OmegaConf
+
+
+class TrainerError(CompactHydraException):
+    """A problem the user can fix; printed as one line, without a traceback."""
+
+
+class ConfigError(TrainerError):
+    pass
+
+
+class ModelName(Enum):
+    cnn = "cnn"
+    resnet18 = "resnet18"
+
+
+class DataSource(Enum):
+    cifar10 = "cifar10"
+    synthetic = "synthetic"
+    imagefolder = "imagefolder"
+
+
+class LoaderKind(Enum):
+    torch = "torch"  # torch.utils.data.DataLoader with torchvision transforms
+    gpu = "gpu"  # whole uint8 dataset resident on the device, batched augmentation there
+
+
+class OptimizerName(Enum):
+    sgd = "sgd"
+    adamw = "adamw"
+
+
+class Schedule(Enum):
+    onecycle = "onecycle"
+    cosine = "cosine"
+    constant = "constant"
+
+
+class AmpDtype(Enum):
+    auto = "auto"  # bf16 where supported (CPU, CUDA with bf16), else fp16
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
+class CompileMode(Enum):
+    default = "default"
+    reduce_overhead = "reduce-overhead"  # CUDA graphs: least launch overhead, static shapes
+    max_autotune = "max-autotune"  # autotuned kernels + CUDA graphs, minutes to compile
+    max_autotune_no_cudagraphs = "max-autotune-no-cudagraphs"
+
+
+class DdpBackend(Enum):
+    auto = "auto"  # nccl on CUDA, gloo on CPU
+    nccl = "nccl"
+    gloo = "gloo"
+
+
+@dataclass
+class ModelConfig:
+    name: ModelName = ModelName.resnet18  # picked by the `model=` group
+    conv_bias: bool = True  # false: no bias on convs followed by BatchNorm (it is redundant)
+    grad_checkpointing: bool = False  # recompute residual stages in backward: memory for compute
+
+
+@dataclass
+class DataConfig:
+    source: DataSource = DataSource.cifar10  # picked by the `data=` group
+    root: str | None = (
+        None  # cifar10: holds cifar-10-batches-py (download target); imagefolder: holds train/ and test/
+    )
+    download: bool = True  # cifar10: download into root when absent
+    train_size: int = 5_000  # synthetic: training images
+    test_size: int = 1_000  # synthetic: test images
+    augment: bool = True  # random crop 32 with 4-pixel padding + horizontal flip (training only)
+    loader: LoaderKind = LoaderKind.torch  # torch DataLoader, or gpu-resident tensors
+    prefetch: bool = False  # CUDA: copy the next batch on a side stream while this one computes
+
+
+@dataclass
+class OptimConfig:
+    name: OptimizerName = OptimizerName.sgd  # picked by the `optim=` group
+    lr: float = 0.1  # peak learning rate (per global batch; see README on scaling)
+    momentum: float = 0.9  # sgd
+    nesterov: bool = True  # sgd
+    weight_decay: float = 5e-4
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # adamw
+    schedule: Schedule = Schedule.onecycle
+    warmup_frac: float = 0.2  # onecycle: fraction of the steps spent rising to lr
+    label_smoothing: float = 0.0
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+
+    seed: int = 0
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    epochs: int = 10
+    max_steps: int | None = None  # stop after this many optimizer steps (null: run all epochs)
+    batch_size: int = 128  # images per forward pass, per process
+    eval_every: int = 1  # evaluate on the test set every N epochs (and after the last)
+    resume: str | None = None  # a checkpoint file or a run folder to continue from
+    deterministic: bool = False  # deterministic algorithms, no cudnn autotuning
+    log_every: int = 50  # optimizer steps between loss logs, progress updates and NaN checks
+
+    # Optimization toggles. All off is a plain PyTorch loop (the `perf=baseline` preset).
+    amp: bool = False  # torch.autocast mixed precision
+    amp_dtype: AmpDtype = AmpDtype.auto
+    grad_accum_steps: int = 1  # micro-batches of batch_size per optimizer step
+    set_to_none: bool = False  # zero_grad(set_to_none=True): drop grads instead of zeroing
+    num_workers: int = 0  # DataLoader worker processes
+    pin_memory: bool = False  # page-locked host batches (CUDA only)
+    persistent_workers: bool = False  # keep workers alive between epochs (num_workers > 0)
+    prefetch_factor: int | None = None  # batches each worker loads ahead (num_workers > 0)
+    non_blocking: bool = False  # asynchronous host-to-device copies
+    channels_last: bool = False  # NHWC memory format for model and inputs
+    cudnn_benchmark: bool = False  # let cuDNN time its algorithms for each input shape
+    tf32: bool = False  # TensorFloat-32 matmuls and convolutions on Ampere+
+    compile: bool = False  # torch.compile the model
+    compile_mode: CompileMode = CompileMode.default
+    fused_optimizer: bool = False  # one fused kernel for the optimizer step (CUDA)
+    measure_data_wait: bool = True  # time data wait vs compute each epoch (CUDA events, no syncs)
+    profile: bool = False  # torch.profiler over a few steps; trace saved in the run folder
+
+    ddp: bool = False  # DistributedDataParallel over `devices` processes
+    devices: int | None = None  # processes for ddp (null: every GPU; required on CPU)
+    ddp_backend: DdpBackend = DdpBackend.auto
+
+    def __post_init__(self) -> None:
+        positive = ("epochs", "batch_size", "eval_every", "grad_accum_steps", "log_every")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ConfigError(
+                    f"{name} must be at least 1, got {getattr(self, name)}: set {name}=1 or more"
+                )
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ConfigError(f"max_steps must be null or at least 1, got {self.max_steps}")
+        if self.num_workers < 0:
+            raise ConfigError(f"num_workers must be 0 or more, got {self.num_workers}")
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got '{self.device}'")
+        if self.num_workers == 0 and (self.persistent_workers or self.prefetch_factor is not None):
+            raise ConfigError(
+                "persistent_workers and prefetch_factor need worker processes: set num_workers=2 "
+                "(or more), or drop them"
+            )
+        if self.prefetch_factor is not None and self.prefetch_factor < 1:
+            raise ConfigError(f"prefetch_factor must be null or at least 1, got {self.prefetch_factor}")
+        if self.devices is not None and self.devices < 1:
+            raise ConfigError(f"devices must be null or at least 1, got {self.devices}")
+        if self.devices is not None and self.devices > 1 and not self.ddp:
+            raise ConfigError(f"devices={self.devices} needs ddp=true (or drop devices)")
+        if self.data.source is not DataSource.synthetic and not self.data.root:
+            raise ConfigError(f"data={self.data.source.value} needs a folder: set data.root=/path/to/data")
+        if self.data.loader is LoaderKind.gpu and self.num_workers > 0:
+            raise ConfigError("data.loader=gpu uses no worker processes: set num_workers=0")
+        if self.data.source is DataSource.synthetic and min(self.data.train_size, self.data.test_size) < 1:
+            raise ConfigError("data.train_size and data.test_size must be at least 1")
+        if not 0.0 <= self.optim.label_smoothing < 1.0:
+            raise ConfigError(f"optim.label_smoothing must be in [0, 1), got {self.optim.label_smoothing}")
+        if not 0.0 < self.optim.warmup_frac < 1.0:
+            raise ConfigError(f"optim.warmup_frac must be in (0, 1), got {self.optim.warmup_frac}")
+
+
+def register_schema() -> None:
+    """Register the schema with Hydra so that conf/ files are type-checked against it."""
+    store = ConfigStore.instance()
+    store.store(name="train_schema", node=TrainConfig)
+    store.store(group="model", name="model_schema", node=ModelConfig)
+    store.store(group="data", name="data_schema", node=DataConfig)
+    store.store(group="optim", name="optim_schema", node=OptimConfig)
+
+
+def to_train_config(cfg: DictConfig | dict | TrainConfig) -> TrainConfig:
+    """Validate a composed config against the schema and return the typed object.
+
+    Re-merging onto the schema rejects keys added with `+key=value`, which Hydra lets
+    through; building the dataclasses runs the cross-field checks.
+    """
+    if isinstance(cfg, TrainConfig):
+        return cfg
+    if isinstance(cfg, DictConfig):
+        cfg = OmegaConf.to_container(cfg, resolve=True)
+    cfg = {key: value for key, value in cfg.items() if key != "hydra"}
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(TrainConfig), cfg)
+        return OmegaConf.to_object(merged)
+    except ConfigError:
+        raise
+    except Exception as error:  # OmegaConf's messages span lines; keep the first
+        raise ConfigError(describe_omegaconf_error(error)) from None
+
+
+def describe_omegaconf_error(error: Exception) -> str:
+    message = str(error).splitlines()[0]
+    key = getattr(error, "full_key", None)
+    match = re.search(r"Key '([^']+)' not in '(\w+)'", message)
+    if match:
+        return unknown_key_message(f"{key}" if key else match.group(1))
+    if key:
+        return f"invalid value for {key}: {message}"
+    return message
+
+
+def schema_keys() -> list[str]:
+    """Every dotted key of the schema, e.g. 'amp', 'data.root'."""
+    container = OmegaConf.to_container(OmegaConf.structured(TrainConfig))
+
+    def walk(node: dict, prefix: str) -> list[str]:
+        keys = []
+        for name, value in node.items():
+            keys.append(prefix + name)
+            if isinstance(value, dict):
+                keys.extend(walk(value, f"{prefix}{name}."))
+        return keys
+
+    return walk(container, "")
+
+
+def unknown_key_message(key: str) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(key, schema_keys(), n=1, cutoff=0.6)
+    hint = f" Did you mean '{close[0]}'?" if close else ""
+    return (
+        f"unknown config key '{key}'.{hint} See `python -m trainer --cfg job` for every key and its default."
+    )

@@ -1,0 +1,97 @@
+"""Models by name: the tutorial CNN and torchvision's ResNet-18 with the CIFAR stem."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+import torchvision
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from trainer.config import ModelConfig, ModelName
+
+log = logging.getLogger(__name__)
+
+
+def cnn(num_classes: int, conv_bias: bool = True) -> nn.Module:
+    """The classic tutorial CNN: conv-ReLU-pool x3 (32/64/128 channels), fc 512, fc num_classes.
+
+    It has no BatchNorm, so its convs keep their bias whatever `conv_bias` says.
+    """
+
+    def block(in_channels: int, out_channels: int) -> list[nn.Module]:
+        return [
+            nn.Conv2d(in_channels, out_channels, 3, padding=1),
+            nn.ReLU(inplace=True),
+            nn.MaxPool2d(2),
+        ]
+
+    return nn.Sequential(
+        *block(3, 32),
+        *block(32, 64),
+        *block(64, 128),
+        nn.Flatten(),
+        nn.Linear(128 * 4 * 4, 512),
+        nn.ReLU(inplace=True),
+        nn.Linear(512, num_classes),
+    )
+
+
+def resnet18(num_classes: int, conv_bias: bool = True) -> nn.Module:
+    """torchvision's ResNet-18 with the CIFAR stem: 3x3 stride-1 first conv, no max-pool.
+
+    conv_bias=True gives every conv a bias, as a plain nn.Conv2d has; every conv here is
+    followed by BatchNorm, which cancels it, so conv_bias=False (torchvision's own choice)
+    saves the work.
+    """
+    model = torchvision.models.resnet18(num_classes=num_classes)
+    model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
+    model.maxpool = nn.Identity()
+    if conv_bias:
+        # torchvision builds every conv without bias; the plain-loop baseline keeps one.
+        for module in model.modules():
+            if isinstance(module, nn.Conv2d):
+                module.bias = nn.Parameter(torch.zeros(module.out_channels))
+    return model
+
+
+class CheckpointedStage(nn.Module):
+    """Runs a stage under activation checkpointing: its activations are recomputed in backward."""
+
+    def __init__(self, stage: nn.Module):
+        super().__init__()
+        self.stage = stage
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled():
+            return self.stage(x)
+        return checkpoint(self.stage, x, use_reentrant=False)
+
+
+RESIDUAL_STAGES = ("layer1", "layer2", "layer3", "layer4")
+
+
+def checkpoint_stages(model: nn.Module) -> nn.Module:
+    for name in RESIDUAL_STAGES:
+        setattr(model, name, CheckpointedStage(getattr(model, name)))
+    return model
+
+
+BUILDERS: dict[ModelName, Callable[..., nn.Module]] = {
+    ModelName.cnn: cnn,
+    ModelName.resnet18: resnet18,
+}
+
+
+def build_model(cfg: ModelConfig, num_classes: int) -> nn.Module:
+    model = BUILDERS[cfg.name](num_classes, conv_bias=cfg.conv_bias)
+    if cfg.name is ModelName.cnn and (cfg.grad_checkpointing or not cfg.conv_bias):
+        log.info(
+            "cnn has no residual stages and no BatchNorm: model.grad_checkpointing and "
+            "model.conv_bias leave it unchanged"
+        )
+    elif cfg.grad_checkpointing:
+        model = checkpoint_stages(model)
+    return model

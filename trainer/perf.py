@@ -1,0 +1,230 @@
+"""Every optimization toggle is read and applied here, once, at build time.
+
+Order for the model: activation checkpointing (in models.build_model) -> channels_last
+-> DDP wrap -> torch.compile. Where a toggle cannot act on this device, one log line
+says so and the run carries on with it off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from trainer.config import AmpDtype, TrainConfig
+
+log = logging.getLogger(__name__)
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def cannot_act(toggle: str, reason: str) -> None:
+    log.info("%s has no effect here (%s); carrying on without it", toggle, reason)
+
+
+def apply_backend_flags(cfg: TrainConfig, device: torch.device) -> None:
+    """torch.backends switches, set before anything is built."""
+    if cfg.deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.benchmark = False
+        if cfg.cudnn_benchmark:
+            log.info("cudnn_benchmark=true is overridden by deterministic=true")
+    elif cfg.cudnn_benchmark:
+        if device.type != "cuda":
+            cannot_act("cudnn_benchmark=true", f"cuDNN is CUDA-only, device is {device}")
+        torch.backends.cudnn.benchmark = True
+    torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
+    torch.backends.cudnn.allow_tf32 = cfg.tf32
+    if cfg.tf32 and device.type != "cuda":
+        cannot_act("tf32=true", f"TensorFloat-32 is a CUDA matmul mode, device is {device}")
+
+
+def amp_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype, or None for full precision."""
+    if not cfg.amp:
+        return None
+    if cfg.amp_dtype is AmpDtype.auto:
+        cuda_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        return torch.bfloat16 if device.type == "cpu" or cuda_bf16 else torch.float16
+    if cfg.amp_dtype is AmpDtype.fp16 and device.type == "cpu":
+        cannot_act("amp_dtype=fp16", "fp16 autocast on CPU is ~100x slower; using bf16")
+        return torch.bfloat16
+    return torch.bfloat16 if cfg.amp_dtype is AmpDtype.bf16 else torch.float16
+
+
+def autocast_context(
+    cfg: TrainConfig, device: torch.device
+) -> Callable[[], contextlib.AbstractContextManager]:
+    dtype = amp_dtype(cfg, device)
+    if dtype is None:
+        return contextlib.nullcontext
+    return functools.partial(torch.autocast, device_type=device.type, dtype=dtype)
+
+
+def grad_scaler(cfg: TrainConfig, device: torch.device) -> torch.amp.GradScaler:
+    """Loss scaling only for fp16 on CUDA; a disabled scaler passes everything through."""
+    enabled = amp_dtype(cfg, device) == torch.float16 and device.type == "cuda"
+    return torch.amp.GradScaler(device.type, enabled=enabled)
+
+
+def zero_grad(cfg: TrainConfig, optimizer: torch.optim.Optimizer) -> Callable[[], None]:
+    return functools.partial(optimizer.zero_grad, set_to_none=cfg.set_to_none)
+
+
+def optimizer_kwargs(cfg: TrainConfig, device: torch.device) -> dict:
+    if not cfg.fused_optimizer:
+        return {}
+    if device.type != "cuda":
+        cannot_act("fused_optimizer=true", f"the fused kernels here are for CUDA, device is {device}")
+        return {}
+    return {"fused": True}
+
+
+def memory_format(cfg: TrainConfig) -> torch.memory_format:
+    return torch.channels_last if cfg.channels_last else torch.contiguous_format
+
+
+def dataloader_kwargs(cfg: TrainConfig, device: torch.device) -> dict:
+    pin = cfg.pin_memory and device.type == "cuda"
+    if cfg.pin_memory and not pin:
+        cannot_act("pin_memory=true", f"page-locked memory speeds copies to CUDA, device is {device}")
+    kwargs = {"num_workers": cfg.num_workers, "pin_memory": pin}
+    if cfg.num_workers > 0:
+        kwargs["persistent_workers"] = cfg.persistent_workers
+        kwargs["prefetch_factor"] = cfg.prefetch_factor
+    return kwargs
+
+
+def batch_mover(cfg: TrainConfig, device: torch.device) -> Callable[[Batch], Batch]:
+    """Host-to-device copy of a batch, in the model's memory format."""
+    non_blocking = cfg.non_blocking and device.type == "cuda"
+    if cfg.non_blocking and not non_blocking:
+        cannot_act("non_blocking=true", f"copies to {device} are synchronous")
+    fmt = memory_format(cfg)
+
+    def move(batch: Batch) -> Batch:
+        images, labels = batch
+        return (
+            images.to(device, non_blocking=non_blocking, memory_format=fmt),
+            labels.to(device, non_blocking=non_blocking),
+        )
+
+    return move
+
+
+class CudaPrefetcher:
+    """Copies the next batch on a side stream while the current one computes."""
+
+    def __init__(self, loader: Iterable[Batch], move: Callable[[Batch], Batch], device: torch.device):
+        self.loader, self.move = loader, move
+        self.stream = torch.cuda.Stream(device)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[Batch]:
+        batches = iter(self.loader)
+        compute = torch.cuda.current_stream()
+
+        def load_next() -> Batch | None:
+            batch = next(batches, None)
+            if batch is None:
+                return None
+            with torch.cuda.stream(self.stream):
+                return self.move(batch)
+
+        upcoming = load_next()
+        while upcoming is not None:
+            compute.wait_stream(self.stream)
+            for tensor in upcoming:
+                tensor.record_stream(compute)
+            current, upcoming = upcoming, load_next()
+            yield current
+
+
+class Moved:
+    """The loader's batches, each moved to the device as it is drawn."""
+
+    def __init__(self, loader: Iterable[Batch], move: Callable[[Batch], Batch]):
+        self.loader, self.move = loader, move
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[Batch]:
+        return map(self.move, self.loader)
+
+
+def device_batches(cfg: TrainConfig, loader: Iterable[Batch], device: torch.device) -> Iterable[Batch]:
+    """The loader as an iterable of device-ready batches (prefetched when asked and possible)."""
+    move = batch_mover(cfg, device)
+    if cfg.data.prefetch:
+        if device.type == "cuda":
+            return CudaPrefetcher(loader, move, device)
+        cannot_act("data.prefetch=true", f"the side-stream copy needs CUDA, device is {device}")
+    return Moved(loader, move)
+
+
+def prepare_model(
+    cfg: TrainConfig,
+    model: nn.Module,
+    device: torch.device,
+    wrap_ddp: Callable[[nn.Module], nn.Module] | None,
+) -> nn.Module:
+    """channels_last -> DDP -> compile. Returns the module the training step calls."""
+    model = model.to(device, memory_format=memory_format(cfg))
+    if wrap_ddp is not None:
+        model = wrap_ddp(model)
+    if cfg.compile:
+        model = torch.compile(model, mode=cfg.compile_mode.value)
+    return model
+
+
+@dataclass
+class Profiler:
+    """torch.profiler over a few steps after warm-up; no-op when profile=false."""
+
+    enabled: bool
+    trace_dir: str
+    warmup_steps: int = 5
+    active_steps: int = 5
+
+    def __post_init__(self) -> None:
+        self.profiler = None
+        if not self.enabled:
+            return
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self.profiler = torch.profiler.profile(
+            activities=activities,
+            schedule=torch.profiler.schedule(
+                wait=0, warmup=self.warmup_steps, active=self.active_steps, repeat=1
+            ),
+            on_trace_ready=self._save,
+        )
+        self.profiler.start()
+
+    def _save(self, profiler: torch.profiler.profile) -> None:
+        torch.profiler.tensorboard_trace_handler(self.trace_dir)(profiler)
+        sort_by = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+        log.info(
+            "profile: top ops over %d steps (trace in %s)\n%s",
+            self.active_steps,
+            self.trace_dir,
+            profiler.key_averages().table(sort_by=sort_by, row_limit=15),
+        )
+
+    def step(self) -> None:
+        if self.profiler is not None:
+            self.profiler.step()
+
+    def stop(self) -> None:
+        if self.profiler is not None:
+            self.profiler.stop()
+            self.profiler = None

@@ -1,0 +1,82 @@
+"""Input-pipeline diagnosis: how much of an epoch the step waited for data.
+
+On CPU the host clock around `next()` is honest: compute is synchronous. On CUDA the
+host runs ahead of the GPU, so host time in `next()` says nothing about GPU idle time.
+There two events per step, recorded on the compute stream without synchronizing, give
+the GPU's idle gap between the end of one step's work and the moment the next batch
+was ready; the gaps are read once, at the end of the epoch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+
+class NoDataWaitTimer:
+    """measure_data_wait=false: batches pass straight through."""
+
+    def wrap(self, batches: Iterable) -> Iterable:
+        return batches
+
+    def step_done(self) -> None:
+        pass
+
+    def wait_seconds(self) -> float | None:
+        return None
+
+
+class HostDataWaitTimer:
+    def __init__(self) -> None:
+        self.waited = 0.0
+
+    def wrap(self, batches: Iterable) -> Iterator:
+        self.waited = 0.0
+        iterator = iter(batches)
+        while True:
+            start = time.perf_counter()
+            batch = next(iterator, None)
+            self.waited += time.perf_counter() - start
+            if batch is None:
+                return
+            yield batch
+
+    def step_done(self) -> None:
+        pass
+
+    def wait_seconds(self) -> float:
+        return self.waited
+
+
+class CudaDataWaitTimer:
+    def __init__(self) -> None:
+        import torch
+
+        self.event = lambda: torch.cuda.Event(enable_timing=True)
+        self.gaps: list[tuple[Any, Any]] = []
+        self.last_done = None
+
+    def wrap(self, batches: Iterable) -> Iterator:
+        self.gaps = []
+        self.last_done = self.event()
+        self.last_done.record()
+        for batch in batches:
+            ready = self.event()
+            ready.record()
+            self.gaps.append((self.last_done, ready))
+            yield batch
+
+    def step_done(self) -> None:
+        self.last_done = self.event()
+        self.last_done.record()
+
+    def wait_seconds(self) -> float:
+        """Call after the epoch's work is synchronized."""
+        return sum(done.elapsed_time(ready) for done, ready in self.gaps) / 1000.0
+
+
+def data_wait_timer(enabled: bool, device_type: str):
+    if not enabled:
+        return NoDataWaitTimer()
+    return CudaDataWaitTimer() if device_type == "cuda" else HostDataWaitTimer()

@@ -1,0 +1,506 @@
+"""Trainer: builds model, data and loop from a config, then fits.
+
+    from trainer import Trainer
+    metrics = Trainer(cfg).fit()          # cfg: a composed DictConfig, a dict or a TrainConfig
+
+Every decision is taken in `_build`; the step functions below it have no config branches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import random
+import signal
+import time
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+import torch
+from omegaconf import OmegaConf
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from trainer import checkpoint, distributed, perf
+from trainer.config import ConfigError, LoaderKind, TrainConfig, TrainerError, to_train_config
+from trainer.data import gpu_loaders, load_source, torch_loaders
+from trainer.distributed import Ranks
+from trainer.logging import RunLog, SilentRunLog, configure_rank_logging, write_json_atomic
+from trainer.models import build_model
+from trainer.optim import build_optimizer, build_scheduler
+from trainer.timing import data_wait_timer
+
+log = logging.getLogger(__name__)
+
+
+class NonFiniteLoss(TrainerError):
+    pass
+
+
+def default_run_dir() -> Path:
+    now = datetime.now()
+    return Path("outputs") / now.strftime("%Y-%m-%d") / now.strftime("%H-%M-%S.%f")
+
+
+def resolve_device(spec: str, ranks: Ranks, ddp: bool) -> torch.device:
+    if spec == "auto":
+        spec = "cuda" if torch.cuda.is_available() else "cpu"
+    if spec.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"device={spec} but no CUDA device is visible: use device=cpu or device=auto")
+    if spec.startswith("cuda") and ddp:
+        return torch.device("cuda", ranks.local_rank)
+    return torch.device(spec)
+
+
+def accumulation_plan(micro_batches: int, accum_steps: int) -> list[tuple[int, bool]]:
+    """(loss divisor, is the last micro-batch of its optimizer step) for each micro-batch.
+
+    A trailing group shorter than accum_steps divides by its own size, so every optimizer
+    step averages the loss over exactly the micro-batches it saw."""
+    plan = []
+    for index in range(micro_batches):
+        group_start = index - index % accum_steps
+        group_size = min(accum_steps, micro_batches - group_start)
+        plan.append((group_size, index - group_start == group_size - 1))
+    return plan
+
+
+class Trainer:
+    def __init__(
+        self,
+        cfg,
+        run_dir: str | Path | None = None,
+        *,
+        ranks: Ranks | None = None,
+        overrides: list[str] | None = None,
+    ):
+        self.cfg: TrainConfig = to_train_config(cfg)
+        self.config = OmegaConf.to_container(OmegaConf.structured(self.cfg), enum_to_str=True)
+        self.run_dir = Path(run_dir) if run_dir is not None else default_run_dir()
+        self.ranks = ranks
+        self.overrides = list(overrides or [])
+        self.status = "running"
+        self.history: list[dict] = []
+        self.best_test_acc: float | None = None
+        self.epoch = 0  # epochs completed
+        self.step = 0  # optimizer steps taken
+        self.batch_in_epoch = 0  # micro-batches of the current epoch already consumed
+        self.train_time_s = 0.0
+        self.stop_signal: str | None = None
+        self.device: torch.device | None = None
+        self.resumed_from: str | None = None
+
+    # ------------------------------------------------------------------ entry points
+
+    @classmethod
+    def for_run(cls, cfg, run_dir: str | Path, overrides: list[str]) -> Trainer:
+        """A Trainer for a run folder that already exists (Hydra's); a config it rejects
+        still leaves a metrics.json saying why."""
+        try:
+            return cls(cfg, run_dir, overrides=overrides)
+        except TrainerError as error:
+            write_json_atomic(
+                Path(run_dir) / "metrics.json",
+                {"status": "failed", "error": str(error), "overrides": overrides},
+            )
+            raise
+
+    def fit(self) -> dict:
+        """Train, evaluate, checkpoint; return the final metrics (also in metrics.json)."""
+        try:
+            if self.cfg.ddp and self.ranks is None:
+                return self._fit_distributed()
+            return self._fit(self.ranks or Ranks())
+        except BaseException as error:
+            if self.ranks is None or self.ranks.is_main:
+                self._record_failure(error)
+            raise
+
+    def _fit_distributed(self) -> dict:
+        if distributed.started_by_torchrun():
+            return _fit_rank(distributed.torchrun_ranks(), self.config, str(self.run_dir), self.overrides)
+        device_type = resolve_device(self.cfg.device, Ranks(), ddp=True).type
+        world_size = distributed.world_size_for(self.cfg, device_type)
+        log.info("ddp: launching %d processes (%s)", world_size, device_type)
+        metrics = distributed.launch(world_size, _fit_rank, (self.config, str(self.run_dir), self.overrides))
+        self.status = metrics["status"]
+        return metrics
+
+    def _fit(self, ranks: Ranks) -> dict:
+        self.ranks = ranks
+        self._build()
+        previous_handlers = self._catch_stop_signals()
+        self.fit_started = time.perf_counter()
+        try:
+            self._train()
+        finally:
+            for signum, handler in previous_handlers.items():
+                signal.signal(signum, handler)
+            self.profiler.stop()
+        summary = self.summary()
+        self.run_log.metrics(summary)
+        self.run_log.hparams(self.config, summary)
+        self.run_log.close()
+        return summary
+
+    # ------------------------------------------------------------------ build: every decision
+
+    def _build(self) -> None:
+        cfg, ranks = self.cfg, self.ranks
+        self.device = device = resolve_device(cfg.device, ranks, cfg.ddp)
+        random.seed(cfg.seed)
+        np.random.seed(cfg.seed)
+        torch.manual_seed(cfg.seed)
+        perf.apply_backend_flags(cfg, device)
+        resume_state = checkpoint.load_checkpoint(cfg.resume) if cfg.resume else None
+
+        splits = load_source(cfg.data, cfg.seed)
+        if cfg.data.loader is LoaderKind.gpu:
+            if device.type != "cuda":
+                perf.cannot_act("data.loader=gpu", f"device is {device}: the dataset stays in host memory")
+            train, test = gpu_loaders(
+                splits, cfg.data, cfg.batch_size, cfg.seed, ranks.rank, ranks.world_size, device
+            )
+        else:
+            train, test = torch_loaders(
+                splits,
+                cfg.data,
+                cfg.batch_size,
+                cfg.seed,
+                ranks.rank,
+                ranks.world_size,
+                perf.dataloader_kwargs(cfg, device),
+            )
+        if len(train) == 0:
+            raise ConfigError(
+                f"batch_size={cfg.batch_size} x {ranks.world_size} process(es) is larger than the "
+                f"{len(splits.train)} training images: lower batch_size"
+            )
+        self.train_loader = train
+        self.train_batches = perf.device_batches(cfg, train, device)
+        self.test_batches = perf.device_batches(cfg, test, device)
+        self.images_per_micro_batch = cfg.batch_size * ranks.world_size
+
+        self.raw_model = build_model(cfg.model, num_classes=len(splits.classes))
+        wrap_ddp = None
+        if ranks.world_size > 1:
+            distributed_device = [device.index] if device.type == "cuda" else None
+
+            def wrap_ddp(module: nn.Module) -> nn.Module:
+                self.ddp_model = DistributedDataParallel(module, device_ids=distributed_device)
+                return self.ddp_model
+
+        self.model = perf.prepare_model(cfg, self.raw_model, device, wrap_ddp)
+        self.no_sync = self.ddp_model.no_sync if wrap_ddp else contextlib.nullcontext
+
+        self.optimizer = build_optimizer(cfg.optim, self.raw_model, perf.optimizer_kwargs(cfg, device))
+        self.steps_per_epoch = math.ceil(len(train) / cfg.grad_accum_steps)
+        self.total_steps = cfg.epochs * self.steps_per_epoch
+        if cfg.max_steps is not None:
+            self.total_steps = min(self.total_steps, cfg.max_steps)
+        self.scheduler = build_scheduler(cfg.optim, self.optimizer, self.total_steps)
+        self.loss_fn = nn.CrossEntropyLoss(label_smoothing=cfg.optim.label_smoothing)
+        self.autocast = perf.autocast_context(cfg, device)
+        self.scaler = perf.grad_scaler(cfg, device)
+        self.zero_grad = perf.zero_grad(cfg, self.optimizer)
+        self.synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        self.timer = data_wait_timer(cfg.measure_data_wait, device.type)
+        self.stop_check_every = 1 if ranks.world_size == 1 else cfg.log_every
+
+        if resume_state is not None:
+            self._restore(resume_state)
+        # Files appear only once everything above has worked.
+        self.run_log = RunLog(self.run_dir) if ranks.is_main else SilentRunLog(self.run_dir)
+        self.profiler = perf.Profiler(cfg.profile and ranks.is_main, str(self.run_dir / "profile"))
+        log.info(
+            "run folder: %s | device: %s x%d | model: %s | data: %s (%d train, %d test)",
+            self.run_dir,
+            device,
+            ranks.world_size,
+            cfg.model.name.value,
+            cfg.data.source.value,
+            len(splits.train),
+            len(splits.test),
+        )
+
+    # ------------------------------------------------------------------ the loop
+
+    def _train(self) -> None:
+        cfg = self.cfg
+        while self.epoch < cfg.epochs and self.step < self.total_steps and not self.stop_signal:
+            record = self._train_epoch()
+            if self.stop_signal and self.batch_in_epoch:  # stopped inside the epoch
+                break
+            self.epoch += 1
+            self.batch_in_epoch = 0
+            last = self.epoch == cfg.epochs or self.step >= self.total_steps
+            if self.epoch % cfg.eval_every == 0 or last:
+                record.update(self.evaluate())
+                self.best_test_acc = max(self.best_test_acc or 0.0, record["test_acc"])
+            record["wall_s"] = time.perf_counter() - self.fit_started
+            self.history.append(record)
+            self.run_log.scalars(
+                self.step,
+                {
+                    "train/acc": record["train_acc"],
+                    "test/loss": record.get("test_loss"),
+                    "test/acc": record.get("test_acc"),
+                    "perf/img_per_s": record["img_per_s"],
+                    "perf/epoch_s": record["epoch_s"],
+                    "perf/data_wait_frac": record["data_wait_frac"],
+                    "perf/peak_mem_mb": record["peak_mem_mb"],
+                },
+            )
+            log.info(
+                "epoch %d/%d | step %d | loss %.4f | train acc %.4f | test acc %s | %.0f img/s"
+                " | data wait %s",
+                self.epoch,
+                cfg.epochs,
+                self.step,
+                record["train_loss"],
+                record["train_acc"],
+                _fmt(record.get("test_acc")),
+                record["img_per_s"],
+                _fmt(record["data_wait_frac"]),
+            )
+            if (record["data_wait_frac"] or 0.0) > 0.2:
+                log.warning(
+                    "%.0f%% of the epoch waited for data: try more num_workers, pin_memory=true"
+                    " or data.loader=gpu",
+                    100 * record["data_wait_frac"],
+                )
+            self._save_checkpoint()
+            self.run_log.metrics(self.summary())
+        if self.stop_signal:
+            self.status = "interrupted"
+            self._save_checkpoint()
+            log.warning(
+                "stopped by %s at step %d; checkpoint saved. Continue with resume=%s",
+                self.stop_signal,
+                self.step,
+                self.run_dir,
+            )
+        else:
+            self.status = "completed"
+
+    def _train_epoch(self) -> dict:
+        cfg, device = self.cfg, self.device
+        self.model.train()
+        skip = self.batch_in_epoch
+        self.train_loader.set_epoch(self.epoch, skip)
+        plan = accumulation_plan(len(self.train_batches), cfg.grad_accum_steps)
+        correct = torch.zeros((), device=device, dtype=torch.long)
+        window: list[torch.Tensor] = []
+        loss_total, micro_batches = 0.0, 0
+        progress = self.run_log.progress(len(plan), f"epoch {self.epoch + 1}/{cfg.epochs}")
+        self.synchronize()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        started = window_started = time.perf_counter()
+        for (images, labels), (divisor, boundary) in zip(self.timer.wrap(self.train_batches), plan):
+            with contextlib.nullcontext() if boundary else self.no_sync():
+                loss, hits = self._forward_backward(images, labels, divisor)
+            window.append(loss)
+            correct += hits
+            if boundary:
+                self._optimizer_step()
+            self.timer.step_done()
+            self.profiler.step()
+            if not boundary:
+                continue
+            if self.step % cfg.log_every == 0 or self.step >= self.total_steps:
+                loss_total += self._log_window(window, progress, time.perf_counter() - window_started)
+                micro_batches += len(window)
+                window, window_started = [], time.perf_counter()
+            if self.step >= self.total_steps or (
+                self.step % self.stop_check_every == 0 and self._stop_agreed()
+            ):
+                break
+        if window:
+            loss_total += self._log_window(window, progress, time.perf_counter() - window_started)
+            micro_batches += len(window)
+        self.synchronize()
+        epoch_s = time.perf_counter() - started
+        progress.close()
+        self.train_time_s += epoch_s
+        self.batch_in_epoch = skip + micro_batches
+        totals = distributed.all_reduce_sum(
+            torch.tensor([loss_total, float(correct), micro_batches], dtype=torch.float64, device=device),
+            self.ranks,
+        ).tolist()
+        wait = self.timer.wait_seconds()
+        return {
+            "epoch": self.epoch + 1,
+            "step": self.step,
+            "train_loss": totals[0] / max(totals[2], 1),
+            "train_acc": totals[1] / max(totals[2] * cfg.batch_size, 1),
+            "img_per_s": micro_batches * self.images_per_micro_batch / epoch_s,
+            "epoch_s": epoch_s,
+            "data_wait_frac": None if wait is None else wait / epoch_s,
+            "peak_mem_mb": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
+            "train_time_s": self.train_time_s,
+        }
+
+    def _forward_backward(self, images: torch.Tensor, labels: torch.Tensor, divisor: int):
+        with self.autocast():
+            logits = self.model(images)
+            loss = self.loss_fn(logits, labels)
+        self.scaler.scale(loss / divisor).backward()
+        return loss.detach(), (logits.detach().argmax(dim=1) == labels).sum()
+
+    def _optimizer_step(self) -> None:
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.zero_grad()
+        self.scheduler.step()
+        self.step += 1
+
+    def _log_window(self, window: list[torch.Tensor], progress, seconds: float) -> float:
+        """One host sync per window: read the losses, stop on NaN/inf, log. Returns their sum."""
+        losses = torch.stack(window).float().tolist()
+        bad = next((i for i, value in enumerate(losses) if not math.isfinite(value)), None)
+        if bad is not None:
+            steps_in_window = math.ceil(len(losses) / self.cfg.grad_accum_steps)
+            step = self.step - steps_in_window + bad // self.cfg.grad_accum_steps + 1
+            raise NonFiniteLoss(
+                f"training loss became {losses[bad]} at optimizer step {step} (epoch {self.epoch + 1}): "
+                f"lower optim.lr (now {self.cfg.optim.lr}), or use amp_dtype=bf16 / amp=false"
+            )
+        mean = sum(losses) / len(losses)
+        images_per_s = len(losses) * self.images_per_micro_batch / max(seconds, 1e-9)
+        self.run_log.scalars(self.step, {"train/loss": mean, "lr": self.scheduler.get_last_lr()[0]})
+        progress.set_postfix(loss=f"{mean:.3f}", img_s=f"{images_per_s:,.0f}", refresh=False)
+        progress.update(len(losses))
+        return sum(losses)
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Test loss and accuracy over every test image exactly once (summed across ranks)."""
+        model = self.raw_model
+        model.eval()
+        totals = torch.zeros(3, dtype=torch.float64, device=self.device)
+        for images, labels in self.test_batches:
+            with self.autocast():
+                logits = model(images)
+            totals[0] += nn.functional.cross_entropy(logits.float(), labels, reduction="sum")
+            totals[1] += (logits.argmax(dim=1) == labels).sum()
+            totals[2] += labels.numel()
+        loss, correct, count = distributed.all_reduce_sum(totals, self.ranks).tolist()
+        return {"test_loss": loss / count, "test_acc": correct / count}
+
+    # ------------------------------------------------------------------ stop, checkpoint, resume
+
+    def _catch_stop_signals(self) -> dict:
+        def request_stop(signum, _frame):
+            self.stop_signal = signal.Signals(signum).name
+
+        previous = {}
+        with contextlib.suppress(ValueError):  # signals can only be caught in the main thread
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                previous[signum] = signal.signal(signum, request_stop)
+        return previous
+
+    def _stop_agreed(self) -> bool:
+        """Every rank stops at the same step: a stop asked of any rank is shared."""
+        if self.ranks.world_size == 1:
+            return self.stop_signal is not None
+        flag = torch.tensor([1.0 if self.stop_signal else 0.0], device=self.device)
+        if distributed.all_reduce_sum(flag, self.ranks).item() > 0:
+            self.stop_signal = self.stop_signal or "a stop on another rank"
+        return self.stop_signal is not None
+
+    def _save_checkpoint(self) -> None:
+        if not self.ranks.is_main:
+            return
+        checkpoint.atomic_save(
+            {
+                "model": self.raw_model.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "scaler": self.scaler.state_dict(),
+                "epoch": self.epoch,
+                "batch_in_epoch": self.batch_in_epoch,
+                "step": self.step,
+                "best_test_acc": self.best_test_acc,
+                "history": self.history,
+                "train_time_s": self.train_time_s,
+                "rng": checkpoint.rng_states(),
+                "config": self.config,
+            },
+            self.run_dir / checkpoint.CHECKPOINT,
+        )
+
+    def _restore(self, state: dict) -> None:
+        saved_model = state["config"]["model"]["name"]
+        if saved_model != self.cfg.model.name.value:
+            raise ConfigError(
+                f"resume={self.cfg.resume} holds a {saved_model} checkpoint: set model={saved_model}"
+            )
+        self.raw_model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.scaler.load_state_dict(state["scaler"])
+        self.epoch, self.batch_in_epoch, self.step = state["epoch"], state["batch_in_epoch"], state["step"]
+        self.best_test_acc, self.history = state["best_test_acc"], state["history"]
+        self.train_time_s = state["train_time_s"]
+        checkpoint.restore_rng_states(state["rng"])
+        self.resumed_from = str(checkpoint.resolve_checkpoint(self.cfg.resume))
+        log.info("resumed from %s at epoch %d, step %d", self.resumed_from, self.epoch, self.step)
+
+    # ------------------------------------------------------------------ results
+
+    def summary(self) -> dict:
+        timed = self.history[1:] if len(self.history) > 1 else self.history
+        seconds = sum(r["epoch_s"] for r in timed)
+        images = sum(r["img_per_s"] * r["epoch_s"] for r in timed)
+        waits = [r["data_wait_frac"] * r["epoch_s"] for r in timed if r["data_wait_frac"] is not None]
+        tested = [r for r in self.history if "test_acc" in r]
+        peaks = [r["peak_mem_mb"] for r in self.history if r["peak_mem_mb"] is not None]
+        return {
+            "status": self.status,
+            "test_acc": tested[-1]["test_acc"] if tested else None,
+            "best_test_acc": self.best_test_acc,
+            "test_loss": tested[-1]["test_loss"] if tested else None,
+            "train_loss": self.history[-1]["train_loss"] if self.history else None,
+            "img_per_s": images / seconds if seconds else None,
+            "data_wait_frac": sum(waits) / seconds if waits and seconds else None,
+            "epochs": self.epoch,
+            "steps": self.step,
+            "train_time_s": self.train_time_s,
+            "peak_mem_mb": max(peaks) if peaks else None,
+            "device": str(self.device) if self.device else self.cfg.device,
+            "world_size": self.ranks.world_size if self.ranks else None,
+            "torch": torch.__version__,
+            "overrides": self.overrides,
+            "resumed_from": self.resumed_from,
+            "history": self.history,
+        }
+
+    def _record_failure(self, error: BaseException) -> None:
+        """A failed run leaves a complete metrics.json that says so (and no new checkpoint)."""
+        if isinstance(error, KeyboardInterrupt):
+            self.status = "interrupted"
+        else:
+            self.status = "failed"
+        summary = self.summary()
+        summary["error"] = str(error).splitlines()[0] if str(error) else type(error).__name__
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(self.run_dir / "metrics.json", summary)
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4f}"
+
+
+def _fit_rank(ranks: Ranks, config: dict, run_dir: str, overrides: list[str]) -> dict:
+    """One DDP process: its own Trainer inside a process group (also used under torchrun)."""
+    configure_rank_logging(ranks, Path(run_dir))
+    trainer = Trainer(config, run_dir, ranks=ranks, overrides=overrides)
+    device = resolve_device(trainer.cfg.device, ranks, ddp=True)
+    distributed.init_process_group(distributed.backend_for(trainer.cfg, device.type), ranks, device)
+    try:
+        return trainer.fit()
+    finally:
+        distributed.destroy_process_group()
