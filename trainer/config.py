@@ -94,7 +94,7 @@ class DataConfig:
 @dataclass
 class OptimConfig:
     name: OptimizerName = OptimizerName.sgd  # picked by the `optim=` group
-    lr: float = 0.1  # peak learning rate (per global batch; see README on scaling)
+    lr: float = 0.05  # peak learning rate (per global batch; see README on scaling)
     momentum: float = 0.9  # sgd
     nesterov: bool = True  # sgd
     weight_decay: float = 5e-4

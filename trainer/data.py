@@ -50,13 +50,13 @@ class SyntheticImages(Dataset):
     def __init__(self, size: int, train: bool, seed: int, num_classes: int = 10):
         patterns = torch.Generator().manual_seed(seed)
         coarse = torch.rand(num_classes, 3, 4, 4, generator=patterns)
-        self.patterns = F.interpolate(coarse, size=IMAGE_SIZE, mode="bilinear") * 160 + 48
+        self.patterns = F.interpolate(coarse, size=IMAGE_SIZE, mode="bilinear") * 96 + 80
         noise = torch.Generator().manual_seed(seed * 2 + (1 if train else 2))
         self.labels = torch.randint(0, num_classes, (size,), generator=noise)
         self.images = torch.empty(size, 3, IMAGE_SIZE, IMAGE_SIZE, dtype=torch.uint8)
         for start in range(0, size, 8192):  # in chunks: 50k float images at once is 600 MB
             labels = self.labels[start : start + 8192]
-            jitter = torch.randn(len(labels), 3, IMAGE_SIZE, IMAGE_SIZE, generator=noise) * 48
+            jitter = torch.randn(len(labels), 3, IMAGE_SIZE, IMAGE_SIZE, generator=noise) * 80
             self.images[start : start + 8192] = (self.patterns[labels] + jitter).clamp(0, 255).to(torch.uint8)
 
     def __len__(self) -> int:

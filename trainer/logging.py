@@ -49,7 +49,8 @@ class RunLog:
         write_json_atomic(self.run_dir / METRICS, data)
 
     def progress(self, total: int, description: str) -> tqdm:
-        return tqdm(total=total, desc=description, unit="step", dynamic_ncols=True, leave=False)
+        # disable=None: a bar on a terminal, nothing in a redirected log.
+        return tqdm(total=total, desc=description, unit="batch", dynamic_ncols=True, leave=False, disable=None)
 
     def hparams(self, config: dict, final: dict) -> None:
         """Into this run's own event file, so that a sweep folder shows every job in HParams."""
