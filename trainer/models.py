@@ -57,17 +57,14 @@ def resnet18(num_classes: int, conv_bias: bool = True) -> nn.Module:
     return model
 
 
-class CheckpointedStage(nn.Module):
-    """Runs a stage under activation checkpointing: its activations are recomputed in backward."""
-
-    def __init__(self, stage: nn.Module):
-        super().__init__()
-        self.stage = stage
+class CheckpointedStage(nn.Sequential):
+    """A residual stage run under activation checkpointing: its activations are recomputed
+    in backward. Same children as the plain stage, so checkpoints load either way."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not torch.is_grad_enabled():
-            return self.stage(x)
-        return checkpoint(self.stage, x, use_reentrant=False)
+            return super().forward(x)
+        return checkpoint(super().forward, x, use_reentrant=False)
 
 
 RESIDUAL_STAGES = ("layer1", "layer2", "layer3", "layer4")
@@ -75,7 +72,7 @@ RESIDUAL_STAGES = ("layer1", "layer2", "layer3", "layer4")
 
 def checkpoint_stages(model: nn.Module) -> nn.Module:
     for name in RESIDUAL_STAGES:
-        setattr(model, name, CheckpointedStage(getattr(model, name)))
+        setattr(model, name, CheckpointedStage(*getattr(model, name)))
     return model
 
 

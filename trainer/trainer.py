@@ -3,7 +3,7 @@
     from trainer import Trainer
     metrics = Trainer(cfg).fit()          # cfg: a composed DictConfig, a dict or a TrainConfig
 
-Every decision is taken in `_build`; the step functions below it have no config branches.
+Every decision is taken in `build`; the step functions below it have no config branches.
 """
 
 from __future__ import annotations
@@ -91,6 +91,7 @@ class Trainer:
         self.stop_signal: str | None = None
         self.device: torch.device | None = None
         self.resumed_from: str | None = None
+        self.built = False
 
     # ------------------------------------------------------------------ entry points
 
@@ -129,8 +130,8 @@ class Trainer:
         return metrics
 
     def _fit(self, ranks: Ranks) -> dict:
-        self.ranks = ranks
-        self._build()
+        if not self.built:
+            self.build(ranks)
         previous_handlers = self._catch_stop_signals()
         self.fit_started = time.perf_counter()
         try:
@@ -147,8 +148,10 @@ class Trainer:
 
     # ------------------------------------------------------------------ build: every decision
 
-    def _build(self) -> None:
-        cfg, ranks = self.cfg, self.ranks
+    def build(self, ranks: Ranks | None = None) -> Trainer:
+        """Assemble device, data, model, optimizer and loop pieces (fit() calls this)."""
+        self.ranks = ranks = ranks or self.ranks or Ranks()
+        cfg = self.cfg
         self.device = device = resolve_device(cfg.device, ranks, cfg.ddp)
         random.seed(cfg.seed)
         np.random.seed(cfg.seed)
@@ -195,7 +198,7 @@ class Trainer:
         self.model = perf.prepare_model(cfg, self.raw_model, device, wrap_ddp)
         self.no_sync = self.ddp_model.no_sync if wrap_ddp else contextlib.nullcontext
 
-        self.optimizer = build_optimizer(cfg.optim, self.raw_model, perf.optimizer_kwargs(cfg, device))
+        self.optimizer = build_optimizer(cfg.optim, self.raw_model, perf.optimizer_kwargs(cfg))
         self.steps_per_epoch = math.ceil(len(train) / cfg.grad_accum_steps)
         self.total_steps = cfg.epochs * self.steps_per_epoch
         if cfg.max_steps is not None:
@@ -224,6 +227,8 @@ class Trainer:
             len(splits.train),
             len(splits.test),
         )
+        self.built = True
+        return self
 
     # ------------------------------------------------------------------ the loop
 

@@ -1,0 +1,271 @@
+"""Each optimization toggle takes effect in the running Trainer (CPU)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from conftest import compose_config
+from torch import nn
+
+from trainer import Trainer
+from trainer.data import GpuLoader, crop_and_flip
+from trainer.models import CheckpointedStage, build_model
+from trainer.perf import Moved
+
+
+def built(tmp_path, *overrides: str) -> Trainer:
+    return Trainer(compose_config(*overrides), tmp_path / "run").build()
+
+
+def first(model: nn.Module, kind: type) -> nn.Module:
+    return next(module for module in model.modules() if isinstance(module, kind))
+
+
+@pytest.fixture(autouse=True)
+def restore_backend_flags():
+    saved = (torch.backends.cudnn.benchmark, torch.backends.cuda.matmul.allow_tf32,
+             torch.backends.cudnn.allow_tf32, torch.are_deterministic_algorithms_enabled())
+    yield
+    torch.backends.cudnn.benchmark, torch.backends.cuda.matmul.allow_tf32 = saved[0], saved[1]
+    torch.backends.cudnn.allow_tf32 = saved[2]
+    torch.use_deterministic_algorithms(saved[3])
+
+
+@pytest.mark.parametrize(("overrides", "expected"), [
+    ((), torch.float32),
+    (("amp=true",), torch.bfloat16),
+    (("amp=true", "amp_dtype=bf16"), torch.bfloat16),
+])
+def test_amp_sets_the_dtype_seen_inside_forward(tmp_path, overrides, expected):
+    trainer = built(tmp_path, "max_steps=2", *overrides)
+    seen = []
+    first(trainer.raw_model, nn.Conv2d).register_forward_hook(lambda m, i, out: seen.append(out.dtype))
+    trainer.fit()
+    assert seen and set(seen) == {expected}
+    assert not trainer.scaler.is_enabled()  # loss scaling is for fp16 on CUDA only
+
+
+def test_fp16_on_cpu_says_so_and_uses_bf16(tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    trainer = built(tmp_path, "amp=true", "amp_dtype=fp16")
+    with trainer.autocast():
+        assert torch.get_autocast_dtype("cpu") == torch.bfloat16
+    assert "amp_dtype=fp16 has no effect here" in caplog.text
+
+
+def count_optimizer_steps(trainer: Trainer) -> list[int]:
+    steps = []
+    trainer.optimizer.register_step_post_hook(lambda *_: steps.append(1))
+    return steps
+
+
+@pytest.mark.parametrize(("train_size", "accum", "expected_steps"), [
+    (256, 1, 8),  # 8 micro-batches of 32
+    (256, 2, 4),
+    (224, 2, 4),  # 7 micro-batches: 3 full groups + a trailing group of 1
+    (224, 4, 2),
+])
+def test_grad_accum_steps_the_optimizer_once_per_group(tmp_path, train_size, accum, expected_steps):
+    trainer = built(tmp_path, f"data.train_size={train_size}", f"grad_accum_steps={accum}")
+    steps = count_optimizer_steps(trainer)
+    metrics = trainer.fit()
+    assert len(steps) == expected_steps == metrics["steps"]
+
+
+def test_accumulated_step_equals_one_big_step(tmp_path):
+    """k micro-batches of b/k give the same update as one batch of b (the cnn has no BatchNorm)."""
+    weights = []
+    for batch, accum in ((32, 1), (16, 2), (8, 4)):
+        trainer = built(tmp_path / f"{accum}", "max_steps=1", f"batch_size={batch}",
+                        f"grad_accum_steps={accum}", "deterministic=true")
+        trainer.fit()
+        weights.append(torch.cat([p.detach().flatten() for p in trainer.raw_model.parameters()]))
+    for other in weights[1:]:
+        torch.testing.assert_close(other, weights[0], rtol=1e-5, atol=1e-6)
+
+
+def test_accumulation_plan_divides_a_trailing_group_by_its_size():
+    from trainer.trainer import accumulation_plan
+
+    plan = accumulation_plan(7, 3)
+    assert plan == [(3, False), (3, False), (3, True), (3, False), (3, False), (3, True), (1, True)]
+
+
+@pytest.mark.parametrize("set_to_none", [False, True])
+def test_set_to_none_drops_or_zeroes_grads(tmp_path, set_to_none):
+    trainer = built(tmp_path, "max_steps=2", f"set_to_none={str(set_to_none).lower()}")
+    trainer.fit()
+    grads = [p.grad for p in trainer.raw_model.parameters()]
+    if set_to_none:
+        assert all(g is None for g in grads)
+    else:
+        assert all(g is not None and not g.any() for g in grads)
+
+
+def test_dataloader_fields_follow_the_toggles(tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    trainer = built(tmp_path, "num_workers=2", "persistent_workers=true", "prefetch_factor=3",
+                    "pin_memory=true", "non_blocking=true")
+    loader = trainer.train_loader
+    assert (loader.num_workers, loader.persistent_workers, loader.prefetch_factor) == (2, True, 3)
+    assert loader.pin_memory is False  # CPU: nothing to pin for, and the log says so
+    assert "pin_memory=true has no effect here" in caplog.text
+    assert "non_blocking=true has no effect here" in caplog.text
+    assert built(tmp_path / "plain").train_loader.num_workers == 0
+
+
+def test_prefetch_on_cpu_says_so_and_moves_batches_plainly(tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    trainer = built(tmp_path, "data.prefetch=true")
+    assert isinstance(trainer.train_batches, Moved)
+    assert "data.prefetch=true has no effect here" in caplog.text
+
+
+def test_channels_last_reaches_parameters_and_every_batch(tmp_path):
+    trainer = built(tmp_path, "channels_last=true", "max_steps=3")
+    inputs = []
+    first(trainer.raw_model, nn.Conv2d).register_forward_pre_hook(lambda m, args: inputs.append(args[0]))
+    trainer.fit()
+    convs = [m.weight for m in trainer.raw_model.modules() if isinstance(m, nn.Conv2d)]
+    assert all(w.is_contiguous(memory_format=torch.channels_last) for w in convs)
+    assert len(inputs) >= 3
+    assert all(x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous() for x in inputs)
+
+
+def test_backend_flags(tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    built(tmp_path, "cudnn_benchmark=true", "tf32=true")
+    assert torch.backends.cudnn.benchmark
+    assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+    assert "cudnn_benchmark=true has no effect here" in caplog.text
+    assert "tf32=true has no effect here" in caplog.text
+    built(tmp_path / "off")
+    assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+
+
+def test_fused_optimizer(tmp_path):
+    assert built(tmp_path, "fused_optimizer=true").optimizer.defaults["fused"] is True
+    assert not built(tmp_path / "plain").optimizer.defaults.get("fused")
+
+
+def test_compile_really_compiles(tmp_path):
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    trainer = built(tmp_path, "compile=true", "max_steps=2", "data.train_size=64", "data.test_size=32")
+    assert isinstance(trainer.model, torch._dynamo.eval_frame.OptimizedModule)
+    trainer.fit()
+    assert counters["stats"]["unique_graphs"] >= 1
+    torch._dynamo.reset()
+
+
+def test_conv_bias_false_removes_biases_before_batchnorm():
+    from trainer.config import ModelConfig, ModelName
+
+    with_bias = build_model(ModelConfig(name=ModelName.resnet18, conv_bias=True), 10)
+    without = build_model(ModelConfig(name=ModelName.resnet18, conv_bias=False), 10)
+    convs = [m for m in without.modules() if isinstance(m, nn.Conv2d)]
+    assert convs and all(m.bias is None for m in convs)
+    assert all(m.bias is not None for m in with_bias.modules() if isinstance(m, nn.Conv2d))
+    parameters = sum(p.numel() for p in with_bias.parameters()) - sum(p.numel() for p in without.parameters())
+    assert parameters == sum(m.out_channels for m in convs)
+
+
+def test_grad_checkpointing_recomputes_stages_with_the_same_gradients():
+    from trainer.config import ModelConfig, ModelName
+
+    torch.manual_seed(0)
+    plain = build_model(ModelConfig(name=ModelName.resnet18), 10)
+    checkpointed = build_model(ModelConfig(name=ModelName.resnet18, grad_checkpointing=True), 10)
+    checkpointed.load_state_dict(plain.state_dict())
+    assert all(isinstance(getattr(checkpointed, f"layer{i}"), CheckpointedStage) for i in range(1, 5))
+    calls = []
+    checkpointed.layer2[0].register_forward_hook(lambda *_: calls.append(1))
+    images = torch.randn(4, 3, 32, 32)
+    for model in (plain, checkpointed):
+        model(images).sum().backward()
+    assert len(calls) == 2  # forward, then again in backward
+    for (name, a), b in zip(plain.named_parameters(), checkpointed.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def coordinate_images(count: int) -> torch.Tensor:
+    """Images whose pixels say where they are: channel 0 = row + 1, channel 1 = column + 1,
+    channel 2 = image index; zero padding therefore shows as 0."""
+    rows = torch.arange(32).view(32, 1).expand(32, 32) + 1
+    cols = torch.arange(32).view(1, 32).expand(32, 32) + 1
+    images = torch.stack([rows, cols, torch.zeros(32, 32, dtype=torch.long)]).repeat(count, 1, 1, 1)
+    images[:, 2] = torch.arange(count).view(count, 1, 1)
+    return images.to(torch.uint8)
+
+
+def test_gpu_loader_augmentation_statistics_on_the_cpu_tensor_path():
+    count = 2000
+    loader = GpuLoader(coordinate_images(count), torch.arange(count), batch_size=250, train=True,
+                       augment=True, seed=0, mean=(0, 0, 0), std=(1, 1, 1))
+    shifts, flips, seen = [], [], []
+    for images, labels in loader:
+        pixels = (images * 255).round().long()
+        assert torch.equal(pixels[:, 2, 16, 16], labels % 256)  # images stay with their labels
+        seen.append(labels)
+        center_row = pixels[:, 0, :, 16]  # row + 1 of the source, 0 in padding
+        # the crop's top row in source coordinates: the first nonzero row minus its position
+        top = torch.stack([(r[r > 0][0] - 1) - (r > 0).nonzero()[0, 0] for r in center_row])
+        center_col = pixels[:, 1, 16, :]
+        flipped = torch.stack([(c[c > 0].diff() < 0).all() for c in center_col])
+        shifts.append(top)
+        flips.append(flipped)
+    shifts, flips = torch.cat(shifts), torch.cat(flips)
+    assert set(shifts.tolist()) == set(range(-4, 5))
+    assert 0.45 < flips.float().mean().item() < 0.55
+    assert torch.equal(torch.cat(seen).sort().values, torch.arange(count))  # a permutation
+
+
+def test_crop_and_flip_picks_the_window():
+    padded = torch.arange(2 * 40 * 40).view(2, 1, 40, 40)
+    out = crop_and_flip(padded, torch.tensor([1]), torch.tensor([3]), torch.tensor([5]), torch.tensor([True]))
+    torch.testing.assert_close(out[0, 0], padded[1, 0, 3:35, 5:37].flip(1))
+
+
+def test_gpu_loader_on_cpu_is_selected_and_says_so(tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    trainer = built(tmp_path, "data.loader=gpu", "max_steps=2")
+    assert isinstance(trainer.train_loader, GpuLoader)
+    assert trainer.fit()["steps"] == 2
+    assert "data.loader=gpu has no effect here" in caplog.text
+
+
+def test_profile_writes_a_trace_and_logs_top_ops(tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    trainer = built(tmp_path, "profile=true", "data.train_size=512")
+    trainer.fit()
+    traces = list((tmp_path / "run" / "profile").glob("*.pt.trace.json"))
+    assert len(traces) == 1 and traces[0].stat().st_size > 1000
+    assert "profile: top ops" in caplog.text and "aten::" in caplog.text
+
+
+def test_data_wait_is_measured_and_a_slow_pipeline_gets_a_hint(tmp_path, caplog):
+    import time
+
+    caplog.set_level(logging.INFO)
+    trainer = built(tmp_path, "log_every=100")
+    slow_batches = trainer.train_batches
+
+    class Slow:
+        def __len__(self):
+            return len(slow_batches)
+
+        def __iter__(self):
+            for batch in slow_batches:
+                time.sleep(0.05)
+                yield batch
+
+    trainer.train_batches = Slow()
+    metrics = trainer.fit()
+    assert metrics["data_wait_frac"] > 0.5
+    assert "waited for data: try more num_workers" in caplog.text
+    off = Trainer(compose_config("measure_data_wait=false"), tmp_path / "off").fit()
+    assert off["data_wait_frac"] is None
