@@ -46,7 +46,7 @@ ROWS: dict[str, list[str]] = {
     "compile": ["compile=true"],
     "batch_size=512": ["batch_size=512"],
     "fast": ["perf=fast"],
-    "fast+reduce_overhead": ["perf=fast", "compile_mode=reduce_overhead"],
+    "fast+compile_default": ["perf=fast", "compile_mode=default"],
     "handwritten": None,  # scripts/handwritten_loop.py with perf=fast's settings
 }
 
@@ -121,12 +121,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epochs", type=int, default=4, help="per row; the first is warm-up")
     parser.add_argument("--rows", default="all", help="comma-separated row names (see --list)")
     parser.add_argument("--out", type=Path, default=None, help="folder for runs, logs and tables")
+    parser.add_argument("--row", action="append", default=[], metavar="NAME:OVERRIDES",
+                        help="an extra row, e.g. 'fast+autotune:perf=fast compile_mode=max_autotune'")
     parser.add_argument("--list", action="store_true", help="print the row names and exit")
     args = parser.parse_args(argv)
+    for extra in args.row:
+        name, _, overrides = extra.partition(":")
+        ROWS[name] = overrides.split()
     if args.list:
         print("\n".join(f"{name}: {' '.join(o) if o is not None else '(hand-written)'}" for name, o in ROWS.items()))
         return 0
-    names = list(ROWS) if args.rows == "all" else args.rows.split(",")
+    names = list(ROWS) if args.rows == "all" else [name for name in args.rows.split(",") if name]
+    names += [extra.partition(":")[0] for extra in args.row]
     unknown = [name for name in names if name not in ROWS]
     if unknown:
         print(f"bench: unknown rows {unknown}; see --list", file=sys.stderr)

@@ -3,7 +3,8 @@
 No config, no logging, no checks: the yardstick for the framework's own overhead. Same data
 (CIFAR-shaped synthetic, 50,000 images), same model, same optimizer and schedule as the
 trainer; GPU-resident uint8 data with per-image random crop + flip done on the device,
-bf16 autocast, channels_last, torch.compile, fused SGD, zero_grad(set_to_none=True).
+bf16 autocast, channels_last, torch.compile, fused SGD, zero_grad(set_to_none=True),
+no conv bias before BatchNorm.
 
     python scripts/handwritten_loop.py --model resnet18 --epochs 4 --out /tmp/hand
 """
@@ -28,7 +29,7 @@ def main() -> None:
     parser.add_argument("--model", default="resnet18")
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=512)
-    parser.add_argument("--compile-mode", default="default")
+    parser.add_argument("--compile-mode", default="reduce-overhead")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
 
@@ -42,7 +43,7 @@ def main() -> None:
     mean = torch.tensor(CIFAR10_MEAN, device=device).view(1, 3, 1, 1) * 255
     std = torch.tensor(CIFAR10_STD, device=device).view(1, 3, 1, 1) * 255
 
-    model = build_model(ModelConfig(name=ModelName(args.model)), 10).to(device, memory_format=torch.channels_last)
+    model = build_model(ModelConfig(name=ModelName(args.model), conv_bias=False), 10).to(device, memory_format=torch.channels_last)
     step_model = torch.compile(model, mode=args.compile_mode)
     steps_per_epoch = len(labels) // args.batch_size
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True,

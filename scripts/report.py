@@ -30,6 +30,7 @@ from pathlib import Path
 import yaml
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.ticker import PercentFormatter
 
 GROUPED_KEY = "seed"  # jobs differing only in this key are repeats of one setting
 BOOLEANS = ("false", "true")
@@ -135,14 +136,16 @@ def find_job_folders(folders: list[Path]) -> list[Path]:
     return jobs
 
 
+def parse_override(text: str) -> tuple[str, str]:
+    """'amp=True' -> ('amp', 'true'): a sweep writes booleans as Python spells them."""
+    key, _, value = text.partition("=")
+    return key.lstrip("+~"), value.lower() if value.lower() in BOOLEANS else value
+
+
 def read_overrides(folder: Path) -> dict[str, str]:
     path = folder / ".hydra" / "overrides.yaml"
     lines = yaml.safe_load(path.read_text()) if path.is_file() else None
-    overrides = {}
-    for line in lines or []:
-        key, _, value = str(line).partition("=")
-        overrides[key.lstrip("+~")] = value.lower() if value.lower() in BOOLEANS else value
-    return overrides
+    return dict(parse_override(str(line)) for line in lines or [])
 
 
 def read_metrics(folder: Path) -> tuple[dict, str]:
@@ -208,9 +211,8 @@ def matches(row: Row, spec: str) -> bool:
     """spec: a job folder name ('0'), or overrides such as 'amp=false,channels_last=false'."""
     if "=" not in spec:
         return any(spec in (job.name, job.folder.name, str(job.folder)) for job in row.jobs)
-    wanted = dict(pair.partition("=")[::2] for pair in spec.split(","))
-    wanted = {key: value.lower() if value.lower() in BOOLEANS else value for key, value in wanted.items()}
-    return any(all(job.overrides.get(k) == v for k, v in wanted.items()) for job in row.jobs)
+    wanted = dict(parse_override(pair) for pair in spec.split(","))
+    return any(all(job.overrides.get(key) == value for key, value in wanted.items()) for job in row.jobs)
 
 
 def choose_baseline(rows: list[Row], spec: str | None) -> tuple[Row | None, str]:
@@ -232,7 +234,7 @@ def choose_baseline(rows: list[Row], spec: str | None) -> tuple[Row | None, str]
     if all_off:
         return min(all_off, key=lambda row: row.mean("img_per_s")), "the slowest with every toggle off"
     if measured:
-        return min(measured, key=lambda row: row.mean("img_per_s")), "the slowest"
+        return min(measured, key=lambda row: row.mean("img_per_s")), "the slowest that completed"
     return None, "no baseline: no job completed"
 
 
@@ -258,8 +260,8 @@ def toggle_effects(rows: list[Row]) -> list[tuple[str, float | None, float | Non
     on/off pairs had numbers. None when the rows are not such a factorial."""
     toggles = list(rows[0].settings)
     settings = {tuple(row.settings.values()): row for row in rows}
-    complete = set(itertools.product(BOOLEANS, repeat=len(toggles)))
-    if not toggles or len(rows) != len(complete) or set(settings) != complete:
+    complete = list(itertools.product(BOOLEANS, repeat=len(toggles)))
+    if not toggles or len(rows) != len(complete) or set(settings) != set(complete):
         return None
     effects = []
     for index, toggle in enumerate(toggles):
@@ -370,14 +372,16 @@ def plot_speedup(rows: list[Row], path: Path) -> None:
     speedups = [row.mean("speedup") or 0.0 for row in rows]
     errors = [row.std("speedup") or 0.0 for row in rows]
     colors = ["tab:gray" if row.is_baseline else "tab:blue" for row in rows]
-    axes.barh(positions, speedups, xerr=errors, color=colors, capsize=3)
-    for position, row, speedup in zip(positions, rows, speedups):
+    axes.barh(positions, speedups, color=colors)
+    for position, row, speedup, error in zip(positions, rows, speedups, errors):
+        if error:
+            axes.errorbar(speedup, position, xerr=error, color="black", capsize=4)
         text = f"{speedup:.2f}×" if row.mean("speedup") else row.status
-        axes.text(speedup, position, f"  {text}", va="center")
+        axes.text(speedup + error, position, f"  {text}", va="center")
     axes.set_yticks(list(positions), labels)
     axes.axvline(1.0, color="black", linewidth=0.8, linestyle="--")
-    axes.set_xlim(0, max(speedups + [1.0]) * 1.25)
-    axes.set_xlabel("speed-up vs baseline (images/s ÷ baseline images/s; gray = baseline)")
+    axes.set_xlim(0, 1.25 * max([1.0] + [speedup + error for speedup, error in zip(speedups, errors)]))
+    axes.set_xlabel("speed-up: images/s ÷ baseline images/s (gray: the baseline; bars: mean ± std)")
     axes.set_title("Training throughput")
     save(figure, path)
 
@@ -399,6 +403,7 @@ def plot_accuracy(jobs: list[Job], keys: list[str], target_acc: float | None, pa
         axes.text(0.5, 0.5, "no evaluated epochs", ha="center", transform=axes.transAxes)
     axes.set_xlabel("wall-clock time since the start of training (s)")
     axes.set_ylabel("test accuracy")
+    axes.yaxis.set_major_formatter(PercentFormatter(1.0))
     axes.set_title("Test accuracy against time")
     axes.grid(alpha=0.3)
     save(figure, path)
@@ -439,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"report: error: {error}", file=sys.stderr)
         return 1
     add_comparisons(rows, baseline)
-    note = f"baseline: {baseline.name} ({baseline.label}), {reason}" if baseline else reason
+    note = f"baseline: job {baseline.name} ({baseline.label}), {reason}" if baseline else reason
     out = args.out or args.folders[0]
     out.mkdir(parents=True, exist_ok=True)
     title = ", ".join(map(str, args.folders))

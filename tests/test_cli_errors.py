@@ -1,0 +1,160 @@
+"""Bad input on the command line: one line naming the fix, a non-zero exit, no traceback, no checkpoint.
+
+Mistakes in the command line itself are caught before Hydra makes a run folder and printed
+as `trainer: error: ...` on stderr (exit 2). Problems found while the run starts (a missing
+dataset) or trains (a non-finite loss) are one ERROR log line (exit 1) and a metrics.json
+that says `failed`.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from conftest import SMALL, compose_config, read_metrics, run_cli, run_folders
+
+from trainer.config import ConfigError, to_train_config
+
+# case id -> (overrides after SMALL, fragments the one error line must hold)
+CONFIG_ERRORS = {
+    "typo": (["ampp=true"], ["unknown config key 'ampp'", "Did you mean 'amp'?"]),
+    "typo-added-with-plus": (["+ampp=true"], ["unknown config key 'ampp'", "Did you mean 'amp'?"]),
+    "not-an-integer": (["epochs=two"], ["invalid value for epochs", "'two'", "Integer"]),
+    "not-a-bool": (["amp=maybe"], ["invalid value for amp", "'maybe'", "bool"]),
+    "unknown-model": (["model=resnet19"], ["unknown model 'resnet19'", "model=cnn", "model=resnet18"]),
+    "zero-batch": (["batch_size=0"], ["batch_size must be at least 1, got 0", "set batch_size=1 or more"]),
+    "missing-checkpoint": (
+        ["resume=/does/not/exist"],
+        ["resume=/does/not/exist", "no checkpoint at /does/not/exist", "checkpoints/last.pt"],
+    ),
+}
+# case id -> overrides after SMALL; {empty} is an empty folder
+RUNTIME_ERRORS = {
+    "cifar10-absent": ["data=cifar10", "data.root={empty}", "data.download=false"],
+    "imagefolder-absent": ["data=imagefolder", "data.root={empty}"],
+    "non-finite-loss": ["optim.lr=1e30"],  # the first step throws the cnn's weights to ~1e30
+}
+
+
+@pytest.fixture(scope="module")
+def empty_folder(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("empty-data-root").resolve()
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory, empty_folder) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
+    """Every bad command line, each in its own folder, two at a time: each process spends
+    seconds importing torch, so one after the other would double this file's time."""
+    commands = {case: overrides for case, (overrides, _) in CONFIG_ERRORS.items()}
+    commands |= {
+        case: [override.format(empty=empty_folder) for override in overrides]
+        for case, overrides in RUNTIME_ERRORS.items()
+    }
+
+    def run(case: str) -> tuple[subprocess.CompletedProcess, Path]:
+        cwd = tmp_path_factory.mktemp(case)
+        return run_cli(*SMALL, *commands[case], cwd=cwd), cwd
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(zip(commands, pool.map(run, commands)))
+
+
+def non_empty_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.strip()]
+
+
+def checkpoints_under(folder: Path) -> list[Path]:
+    return [*folder.rglob("checkpoints"), *folder.rglob("*.pt")]
+
+
+def the_error_log_line(result: subprocess.CompletedProcess) -> str:
+    """The single ERROR line of Hydra's console log (which goes to stdout)."""
+    lines = [line for line in (result.stdout + result.stderr).splitlines() if "[ERROR]" in line]
+    assert len(lines) == 1, result.stdout + result.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("case", CONFIG_ERRORS)
+def test_command_line_mistake_is_one_line_and_leaves_no_run_folder(outcomes, case):
+    result, cwd = outcomes[case]
+    _, fragments = CONFIG_ERRORS[case]
+
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+    lines = non_empty_lines(result.stderr)
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("trainer: error: ")
+    for fragment in fragments:
+        assert fragment in lines[0]
+    assert result.stdout.strip() == ""
+    assert not (cwd / "outputs").exists()
+
+
+@pytest.mark.parametrize(
+    ("case", "looked_at", "source_hint"),
+    [
+        ("cifar10-absent", "CIFAR-10 not found in {empty} (download is off", "cifar-10-batches-py"),
+        ("imagefolder-absent", "no class folders in {empty}/train", "train/<class>/ and test/<class>/"),
+    ],
+)
+def test_missing_dataset_names_the_folder_and_the_fixes(outcomes, empty_folder, case, looked_at, source_hint):
+    result, cwd = outcomes[case]
+
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+    line = the_error_log_line(result)
+    assert looked_at.format(empty=empty_folder) in line
+    assert "Fix: data.root=" in line
+    assert source_hint in line
+    assert line.endswith("or data=synthetic")
+    [run] = run_folders(cwd / "outputs")
+    metrics = read_metrics(run)
+    assert metrics["status"] == "failed"
+    assert metrics["error"] in line
+    assert checkpoints_under(cwd / "outputs") == []
+
+
+def test_non_finite_loss_names_the_step_and_a_lower_learning_rate(outcomes):
+    result, cwd = outcomes["non-finite-loss"]
+
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+    line = the_error_log_line(result)
+    assert "training loss became " in line
+    # Step 1's loss is computed before its update, so step 2 is the first non-finite one.
+    assert "at optimizer step 2 (epoch 1)" in line
+    assert "lower optim.lr (now 1e+30)" in line
+    [run] = run_folders(cwd / "outputs")
+    metrics = read_metrics(run)
+    assert metrics["status"] == "failed"
+    assert metrics["steps"] == 2
+    assert metrics["error"] in line
+    assert checkpoints_under(cwd / "outputs") == []
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["grad_accum_steps=0"], "grad_accum_steps must be at least 1, got 0: set grad_accum_steps=1 or more"),
+        (["eval_every=0"], "eval_every must be at least 1, got 0: set eval_every=1 or more"),
+        (["max_steps=0"], "max_steps must be null or at least 1, got 0"),
+        (["num_workers=-1"], "num_workers must be 0 or more, got -1"),
+        (["device=gpu"], "device must be auto, cpu, cuda or cuda:N, got 'gpu'"),
+        (["persistent_workers=true"], "need worker processes: set num_workers=2"),
+        (["devices=2"], "devices=2 needs ddp=true (or drop devices)"),
+        (["data=cifar10", "data.root=null"], "data=cifar10 needs a folder: set data.root=/path/to/data"),
+        (["data.train_size=0"], "data.train_size and data.test_size must be at least 1"),
+        (["optim.warmup_frac=0"], "optim.warmup_frac must be in (0, 1), got 0.0"),
+        (["optim.label_smoothing=1.0"], "optim.label_smoothing must be in [0, 1), got 1.0"),
+        # Hydra lets `+key=value` through; the schema re-merge rejects it.
+        (["+ampp=true"], "unknown config key 'ampp'. Did you mean 'amp'?"),
+    ],
+)
+def test_schema_rejects_bad_values_in_process(overrides, message):
+    with pytest.raises(ConfigError) as caught:
+        to_train_config(compose_config(*overrides))
+
+    assert message in str(caught.value)
+    assert "\n" not in str(caught.value)

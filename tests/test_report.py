@@ -1,0 +1,236 @@
+"""scripts/report.py on real tiny sweeps (CPU): the table, the charts, the toggle summary,
+failed and unfinished jobs, seed groups; and TensorBoard HParams for every job of a sweep."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO, SMALL, read_metrics, run_cli, run_folders
+from matplotlib.image import imread
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
+from tensorboard.plugins.hparams import plugin_data_pb2
+
+SCRIPT = REPO / "scripts" / "report.py"
+_spec = importlib.util.spec_from_file_location("report", SCRIPT)
+report = sys.modules["report"] = importlib.util.module_from_spec(_spec)  # dataclasses look it up there
+_spec.loader.exec_module(report)
+
+
+def sweep(tmp_path_factory, name: str, *values: str) -> Path:
+    """`python -m trainer -m SMALL VALUES` in a fresh folder; returns the sweep folder."""
+    cwd = tmp_path_factory.mktemp(name)
+    # One thread: on a shared 2-core machine, torch's spinning threads run 10-20x slower under load.
+    result = run_cli("-m", *SMALL, *values, cwd=cwd, env={"OMP_NUM_THREADS": "1"})
+    sweeps = list((cwd / "outputs" / "multirun").glob("*/*"))
+    assert len(sweeps) == 1, result.stderr[-3000:]
+    return sweeps[0]
+
+
+@pytest.fixture(scope="module")
+def toggle_sweep(tmp_path_factory) -> Path:
+    folder = sweep(tmp_path_factory, "toggles", "amp=false,true", "channels_last=false,true")
+    assert [read_metrics(job)["status"] for job in run_folders(folder)] == ["completed"] * 4
+    return folder
+
+
+@pytest.fixture(scope="module")
+def seed_sweep(tmp_path_factory) -> Path:
+    """Two seeds of a good learning rate, two of one that makes the loss NaN at step 2."""
+    folder = sweep(tmp_path_factory, "seeds", "seed=0,1", "optim.lr=0.05,1e30")
+    assert len(run_folders(folder)) == 4
+    return folder
+
+
+def run_report(*args, capsys) -> tuple[int, str, str]:
+    code = report.main([str(arg) for arg in args])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def read_csv(folder: Path) -> list[dict]:
+    with (folder / "report.csv").open(newline="") as handle:
+        return list(csv.DictReader(handle))
+
+
+def markdown_rows(text: str, first_cell: str) -> list[list[str]]:
+    """The cells of the markdown table rows whose first cell starts with first_cell."""
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in text.splitlines()
+            if line.startswith("|")]
+    return [row for row in rows if row[0].startswith(first_cell)]
+
+
+def job_metrics(sweep_folder: Path) -> dict[str, dict]:
+    return {job.name: read_metrics(job) for job in run_folders(sweep_folder)}
+
+
+def hparam_text(value) -> str:
+    """'true'/'false' whether the bool was stored as a number (torch does that) or as text."""
+    kind = value.WhichOneof("kind")
+    return value.string_value.lower() if kind == "string_value" else str(bool(getattr(value, kind))).lower()
+
+
+def test_cli_writes_the_report_into_the_sweep_folder(toggle_sweep):
+    result = subprocess.run([sys.executable, str(SCRIPT), str(toggle_sweep)], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == (toggle_sweep / "report.md").read_text().strip()
+    rows = read_csv(toggle_sweep)
+    assert len(rows) == 4
+    assert {(row["amp"], row["channels_last"]) for row in rows} == {
+        ("false", "false"), ("false", "true"), ("true", "false"), ("true", "true")}
+    assert [row["status"] for row in rows] == ["completed"] * 4
+    assert (toggle_sweep / "speedup.png").is_file() and (toggle_sweep / "accuracy_vs_time.png").is_file()
+
+
+def test_speedup_and_accuracy_change_are_relative_to_the_all_off_job(toggle_sweep, tmp_path, capsys):
+    code, out, _ = run_report(toggle_sweep, "--out", tmp_path, capsys=capsys)
+    assert code == 0
+    rows, metrics = read_csv(tmp_path), job_metrics(toggle_sweep)
+    [baseline] = [row for row in rows if row["baseline"] == "yes"]
+    assert (baseline["amp"], baseline["channels_last"]) == ("false", "false")
+    assert "every toggle off" in out
+    base = metrics[baseline["job"]]
+    for row in rows:
+        job = metrics[row["job"]]
+        assert f"amp={row['amp']}" in [override.lower() for override in job["overrides"]]
+        assert float(row["img_per_s"]) == pytest.approx(job["img_per_s"])
+        assert float(row["speedup"]) == pytest.approx(job["img_per_s"] / base["img_per_s"])
+        assert float(row["test_acc_change"]) == pytest.approx(job["test_acc"] - base["test_acc"])
+        assert row["n"] == "1" and row["img_per_s_std"] == ""
+
+
+def test_charts_are_images_of_a_readable_size(toggle_sweep, tmp_path, capsys):
+    assert run_report(toggle_sweep, "--out", tmp_path, capsys=capsys)[0] == 0
+    for name in ("speedup.png", "accuracy_vs_time.png"):
+        height, width = imread(tmp_path / name).shape[:2]
+        assert width > 200 and height > 200, name
+
+
+def test_factorial_summary_gives_each_toggles_mean_effect(toggle_sweep, tmp_path, capsys):
+    code, out, _ = run_report(toggle_sweep, "--out", tmp_path, capsys=capsys)
+    assert code == 0
+    assert "## One toggle at a time" in out and out == (tmp_path / "report.md").read_text() + "\n"
+    speed = {(row["amp"], row["channels_last"]): float(row["img_per_s"]) for row in read_csv(tmp_path)}
+    amp_on = statistics.geometric_mean([speed["true", "false"] / speed["false", "false"],
+                                        speed["true", "true"] / speed["false", "true"]])
+    layout_on = statistics.geometric_mean([speed["false", "true"] / speed["false", "false"],
+                                           speed["true", "true"] / speed["true", "false"]])
+    [amp] = markdown_rows(out, "amp")
+    [channels_last] = markdown_rows(out, "channels_last")
+    assert amp[1] == f"{amp_on:.2f}×" and amp[3] == "2"
+    assert channels_last[1] == f"{layout_on:.2f}×" and channels_last[3] == "2"
+
+
+def test_every_job_of_the_sweep_shows_in_tensorboard_hparams(toggle_sweep):
+    multiplexer = EventMultiplexer().AddRunsFromDirectory(str(toggle_sweep))
+    multiplexer.Reload()
+    hparams_runs = multiplexer.PluginRunToTagToContent("hparams")
+    assert sorted(hparams_runs) == [f"{job}/tb" for job in range(4)]
+    for job in run_folders(toggle_sweep):
+        accumulator = EventAccumulator(str(job / "tb"), size_guidance={"scalars": 0})
+        accumulator.Reload()
+        content = accumulator.PluginTagToContent("hparams")
+        assert content
+        start = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/session_start_info"])
+        hparams = start.session_start_info.hparams
+        overrides = [override.lower() for override in read_metrics(job)["overrides"]]
+        for key in ("amp", "channels_last"):
+            assert f"{key}={hparam_text(hparams[key])}" in overrides
+
+
+def test_a_failing_job_is_reported_as_failed(seed_sweep, tmp_path, capsys):
+    code, out, _ = run_report(seed_sweep, "--out", tmp_path, capsys=capsys)
+    assert code == 0
+    rows = {row["optim.lr"]: row for row in read_csv(tmp_path)}
+    assert set(rows) == {"0.05", "1e+30"}
+    failed = rows["1e+30"]
+    assert failed["status"] == "failed" and failed["n"] == "0"
+    assert failed["img_per_s"] == failed["speedup"] == failed["test_acc"] == ""
+    assert "training loss became nan" in failed["error"]
+    assert rows["0.05"]["status"] == "completed" and rows["0.05"]["baseline"] == "yes"
+    assert "## Jobs that did not complete" in out
+    assert out.count("failed: training loss became nan") == 2
+
+
+def test_jobs_differing_only_in_seed_share_a_row_with_mean_and_std(seed_sweep, tmp_path, capsys):
+    code, out, _ = run_report(seed_sweep, "--out", tmp_path, capsys=capsys)
+    assert code == 0
+    [row] = [row for row in read_csv(tmp_path) if row["optim.lr"] == "0.05"]
+    jobs = job_metrics(seed_sweep).values()
+    speeds = [job["img_per_s"] for job in jobs if "optim.lr=0.05" in job["overrides"]]
+    assert row["n"] == "2" and "seed" not in row
+    assert float(row["img_per_s"]) == pytest.approx(statistics.fmean(speeds))
+    assert float(row["img_per_s_std"]) == pytest.approx(statistics.stdev(speeds))
+    [cells] = [cells for cells in markdown_rows(out, "") if "0.05" in cells]
+    header = markdown_rows(out, "job")[0]
+    assert cells[header.index("n")] == "2"
+    assert "±" in cells[header.index("img/s")] and "±" in cells[header.index("test acc")]
+
+
+def test_unfinished_jobs_and_missing_metrics_never_break_the_report(toggle_sweep, tmp_path, capsys):
+    sweep_copy = tmp_path / "sweep"
+    shutil.copytree(toggle_sweep, sweep_copy, ignore=shutil.ignore_patterns("checkpoints", "report.*"))
+    (sweep_copy / "3" / "metrics.json").unlink()  # a job killed before it wrote anything
+    interrupted = read_metrics(sweep_copy / "1") | {"status": "interrupted"}
+    (sweep_copy / "1" / "metrics.json").write_text(json.dumps(interrupted))
+    code, out, _ = run_report(sweep_copy, capsys=capsys)
+    assert code == 0
+    rows = {row["job"]: row for row in read_csv(sweep_copy)}
+    assert rows["3"]["status"] == "no metrics.json" and rows["1"]["status"] == "interrupted"
+    assert rows["3"]["img_per_s"] == rows["1"]["img_per_s"] == rows["1"]["test_acc"] == ""
+    assert rows["0"]["baseline"] == "yes" and rows["2"]["speedup"] != ""
+    [amp] = markdown_rows(out, "amp")
+    assert amp[3] == "1"  # only (amp on vs off, channels_last=false) still has both numbers
+
+
+def test_baseline_can_be_chosen_by_overrides_or_folder(toggle_sweep, tmp_path, capsys):
+    assert run_report(toggle_sweep, "--out", tmp_path, "--baseline", "amp=true,channels_last=false",
+                      capsys=capsys)[0] == 0
+    [baseline] = [row for row in read_csv(tmp_path) if row["baseline"] == "yes"]
+    assert (baseline["amp"], baseline["channels_last"]) == ("true", "false")
+    assert float(baseline["speedup"]) == pytest.approx(1.0)
+    assert run_report(toggle_sweep, "--out", tmp_path, "--baseline", "3", capsys=capsys)[0] == 0
+    assert [row["job"] for row in read_csv(tmp_path) if row["baseline"] == "yes"] == ["3"]
+
+
+def test_a_baseline_that_matches_nothing_is_a_one_line_error(toggle_sweep, tmp_path, capsys):
+    code, _, err = run_report(toggle_sweep, "--out", tmp_path, "--baseline", "amp=maybe", capsys=capsys)
+    assert code == 1
+    assert err.startswith("report: error: --baseline amp=maybe matches 0 rows") and err.count("\n") == 1
+
+
+def test_time_to_target_accuracy_comes_from_the_history(toggle_sweep, tmp_path, capsys):
+    metrics = job_metrics(toggle_sweep)
+    lowest = min(job["test_acc"] for job in metrics.values())  # one epoch: reached exactly, or beaten
+    assert run_report(toggle_sweep, "--out", tmp_path, "--target-acc", lowest, capsys=capsys)[0] == 0
+    for row in read_csv(tmp_path):
+        [evaluated] = [entry for entry in metrics[row["job"]]["history"] if "test_acc" in entry]
+        assert float(row["time_to_target_s"]) == pytest.approx(evaluated["wall_s"])
+    assert run_report(toggle_sweep, "--out", tmp_path, "--target-acc", "1.01", capsys=capsys)[0] == 0
+    assert {row["time_to_target_s"] for row in read_csv(tmp_path)} == {""}
+
+
+def test_several_sweeps_make_one_report(toggle_sweep, seed_sweep, tmp_path, capsys):
+    code, out, _ = run_report(toggle_sweep, seed_sweep, "--out", tmp_path, capsys=capsys)
+    assert code == 0
+    assert len(read_csv(tmp_path)) == 6  # 4 toggle settings + 2 learning rates (seeds grouped)
+    assert "8 jobs in 6 rows" in out
+
+
+@pytest.mark.parametrize("folder", ["empty", "absent"])
+def test_a_folder_without_jobs_is_a_one_line_error(tmp_path, capsys, folder):
+    (tmp_path / "empty").mkdir()
+    code, out, err = run_report(tmp_path / folder, capsys=capsys)
+    assert code == 1 and out == ""
+    expected = "no job folders (folders holding .hydra/) under" if folder == "empty" else "no such folder"
+    assert err.startswith(f"report: error: {expected}") and err.count("\n") == 1
+    assert not (tmp_path / "empty" / "report.md").exists()
