@@ -56,17 +56,42 @@ COMMON = ["data=synthetic", "data.train_size=50000", "data.test_size=10000", "lo
 def run_row(name: str, overrides: list[str] | None, model: str, epochs: int, out: Path) -> dict:
     run_dir = out / name.replace("=", "-")
     if overrides is None:
-        command = [sys.executable, str(REPO / "scripts" / "handwritten_loop.py"), "--model", model,
-                   "--epochs", str(epochs), "--out", str(run_dir)]
+        command = [
+            sys.executable,
+            str(REPO / "scripts" / "handwritten_loop.py"),
+            "--model",
+            model,
+            "--epochs",
+            str(epochs),
+            "--out",
+            str(run_dir),
+        ]
     else:
-        command = [sys.executable, "-m", "trainer", f"model={model}", *COMMON, f"epochs={epochs}",
-                   f"eval_every={epochs}", *overrides, f"hydra.run.dir={run_dir}"]
+        command = [
+            sys.executable,
+            "-m",
+            "trainer",
+            f"model={model}",
+            *COMMON,
+            f"epochs={epochs}",
+            f"eval_every={epochs}",
+            *overrides,
+            f"hydra.run.dir={run_dir}",
+        ]
     started = time.perf_counter()
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True,
-                            env={**os.environ, "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}"})
+    result = subprocess.run(
+        command,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}"},
+    )
     (out / f"{run_dir.name}.log").write_text(result.stdout + result.stderr)
-    row = {"row": name, "overrides": " ".join(overrides) if overrides else "(perf=fast settings, by hand)",
-           "wall_s": round(time.perf_counter() - started, 1)}
+    row = {
+        "row": name,
+        "overrides": " ".join(overrides) if overrides else "(perf=fast settings, by hand)",
+        "wall_s": round(time.perf_counter() - started, 1),
+    }
     metrics_file = run_dir / "metrics.json"
     if result.returncode != 0 or not metrics_file.exists():
         tail = (result.stderr or result.stdout).strip().splitlines()[-1:] or ["?"]
@@ -92,19 +117,25 @@ def fmt(value, spec: str) -> str:
 def table(rows: list[dict]) -> str:
     baseline = next((r for r in rows if r["row"] == "baseline" and "img_per_s" in r), None)
     fast = next((r for r in rows if r["row"] == "fast" and "img_per_s" in r), None)
-    lines = ["| row | overrides | images/s | speed-up | peak mem (MB) | data wait | status |",
-             "| --- | --- | ---: | ---: | ---: | ---: | --- |"]
+    lines = [
+        "| row | overrides | images/s | speed-up | peak mem (MB) | data wait | status |",
+        "| --- | --- | ---: | ---: | ---: | ---: | --- |",
+    ]
     for r in rows:
         speedup = r["img_per_s"] / baseline["img_per_s"] if baseline and "img_per_s" in r else None
         r["speedup"] = speedup
-        lines.append(f"| {r['row']} | {r['overrides']} | {fmt(r.get('img_per_s'), ',.0f')} | "
-                     f"{fmt(speedup, '.2f')}{'x' if speedup else ''} | {fmt(r.get('peak_mem_mb'), ',.0f')} | "
-                     f"{fmt(r.get('data_wait_frac'), '.1%')} | {r['status']} |")
+        lines.append(
+            f"| {r['row']} | {r['overrides']} | {fmt(r.get('img_per_s'), ',.0f')} | "
+            f"{fmt(speedup, '.2f')}{'x' if speedup else ''} | {fmt(r.get('peak_mem_mb'), ',.0f')} | "
+            f"{fmt(r.get('data_wait_frac'), '.1%')} | {r['status']} |"
+        )
     hand = next((r for r in rows if r["row"] == "handwritten" and "img_per_s" in r), None)
     if fast and hand:
         lines.append("")
-        lines.append(f"framework overhead at perf=fast settings: trainer {fast['img_per_s']:,.0f} img/s vs "
-                     f"hand-written {hand['img_per_s']:,.0f} img/s = {fast['img_per_s'] / hand['img_per_s']:.3f}x")
+        lines.append(
+            f"framework overhead at perf=fast settings: trainer {fast['img_per_s']:,.0f} img/s vs "
+            f"hand-written {hand['img_per_s']:,.0f} img/s = {fast['img_per_s'] / hand['img_per_s']:.3f}x"
+        )
     return "\n".join(lines)
 
 
@@ -116,20 +147,31 @@ def environment() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default="resnet18", choices=["resnet18", "cnn"])
     parser.add_argument("--epochs", type=int, default=4, help="per row; the first is warm-up")
     parser.add_argument("--rows", default="all", help="comma-separated row names (see --list)")
     parser.add_argument("--out", type=Path, default=None, help="folder for runs, logs and tables")
-    parser.add_argument("--row", action="append", default=[], metavar="NAME:OVERRIDES",
-                        help="an extra row, e.g. 'fast+autotune:perf=fast compile_mode=max_autotune'")
+    parser.add_argument(
+        "--row",
+        action="append",
+        default=[],
+        metavar="NAME:OVERRIDES",
+        help="an extra row, e.g. 'fast+autotune:perf=fast compile_mode=max_autotune'",
+    )
     parser.add_argument("--list", action="store_true", help="print the row names and exit")
     args = parser.parse_args(argv)
     for extra in args.row:
         name, _, overrides = extra.partition(":")
         ROWS[name] = overrides.split()
     if args.list:
-        print("\n".join(f"{name}: {' '.join(o) if o is not None else '(hand-written)'}" for name, o in ROWS.items()))
+        print(
+            "\n".join(
+                f"{name}: {' '.join(o) if o is not None else '(hand-written)'}" for name, o in ROWS.items()
+            )
+        )
         return 0
     names = list(ROWS) if args.rows == "all" else [name for name in args.rows.split(",") if name]
     names += [extra.partition(":")[0] for extra in args.row]
@@ -142,13 +184,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = args.out or REPO / "outputs" / "bench" / f"{datetime.now():%Y-%m-%d_%H-%M-%S}-{args.model}"
     out.mkdir(parents=True, exist_ok=True)
-    header = f"{args.model}, {environment()}, {args.epochs} epochs per row (median of the last {args.epochs - 1})"
+    header = (
+        f"{args.model}, {environment()}, {args.epochs} epochs per row (median of the last {args.epochs - 1})"
+    )
     print(header, flush=True)
     rows = []
     for name in names:
         rows.append(run_row(name, ROWS[name], args.model, args.epochs, out))
         r = rows[-1]
-        print(f"  {name}: {fmt(r.get('img_per_s'), ',.0f')} img/s ({r['status']}, {r['wall_s']} s)", flush=True)
+        print(
+            f"  {name}: {fmt(r.get('img_per_s'), ',.0f')} img/s ({r['status']}, {r['wall_s']} s)", flush=True
+        )
     text = f"{header}\n\n{table(rows)}\n"
     print("\n" + text)
     (out / "bench.md").write_text(text)

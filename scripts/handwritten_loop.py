@@ -43,13 +43,17 @@ def main() -> None:
     mean = torch.tensor(CIFAR10_MEAN, device=device).view(1, 3, 1, 1) * 255
     std = torch.tensor(CIFAR10_STD, device=device).view(1, 3, 1, 1) * 255
 
-    model = build_model(ModelConfig(name=ModelName(args.model), conv_bias=False), 10).to(device, memory_format=torch.channels_last)
+    model = build_model(ModelConfig(name=ModelName(args.model), conv_bias=False), 10).to(
+        device, memory_format=torch.channels_last
+    )
     step_model = torch.compile(model, mode=args.compile_mode)
     steps_per_epoch = len(labels) // args.batch_size
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True,
-                                weight_decay=5e-4, fused=True)
-    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, 0.05, total_steps=args.epochs * steps_per_epoch,
-                                                    pct_start=0.2)
+    optimizer = torch.optim.SGD(
+        model.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=5e-4, fused=True
+    )
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(
+        optimizer, 0.05, total_steps=args.epochs * steps_per_epoch, pct_start=0.2
+    )
     arange = torch.arange(32, device=device)
 
     history = []
@@ -64,7 +68,9 @@ def main() -> None:
             flip = torch.rand(len(index), 1, device=device) < 0.5
             rows = (top + arange)[:, None, :, None]
             cols = (left + torch.where(flip, arange.flip(0), arange))[:, None, None, :]
-            batch = images[index[:, None, None, None], torch.arange(3, device=device)[None, :, None, None], rows, cols]
+            batch = images[
+                index[:, None, None, None], torch.arange(3, device=device)[None, :, None, None], rows, cols
+            ]
             batch = ((batch.float() - mean) / std).contiguous(memory_format=torch.channels_last)
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 loss = F.cross_entropy(step_model(batch), labels[index])
@@ -74,15 +80,28 @@ def main() -> None:
             scheduler.step()
         torch.cuda.synchronize()
         seconds = time.perf_counter() - started
-        history.append({"epoch": epoch + 1, "epoch_s": seconds, "img_per_s": steps_per_epoch * args.batch_size / seconds,
-                        "data_wait_frac": None})
+        history.append(
+            {
+                "epoch": epoch + 1,
+                "epoch_s": seconds,
+                "img_per_s": steps_per_epoch * args.batch_size / seconds,
+                "data_wait_frac": None,
+            }
+        )
         print(f"epoch {epoch + 1}: {history[-1]['img_per_s']:,.0f} img/s, loss {loss.item():.3f}", flush=True)
 
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "metrics.json").write_text(json.dumps({
-        "status": "completed", "history": history, "test_acc": None,
-        "peak_mem_mb": torch.cuda.max_memory_allocated() / 2**20,
-    }, indent=2))
+    (args.out / "metrics.json").write_text(
+        json.dumps(
+            {
+                "status": "completed",
+                "history": history,
+                "test_acc": None,
+                "peak_mem_mb": torch.cuda.max_memory_allocated() / 2**20,
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -224,8 +224,10 @@ def choose_baseline(rows: list[Row], spec: str | None) -> tuple[Row | None, str]
             names = "; ".join(f"{row.name}: {row.label}" for row in rows)
             raise ReportError(f"--baseline {spec} matches {len(chosen)} rows, not 1 (rows: {names})")
         if chosen[0] not in measured:
-            raise ReportError(f"--baseline {spec} is job {chosen[0].name}, which has no images/s "
-                              f"({chosen[0].status}): choose another with --baseline")
+            raise ReportError(
+                f"--baseline {spec} is job {chosen[0].name}, which has no images/s "
+                f"({chosen[0].status}): choose another with --baseline"
+            )
         return chosen[0], f"--baseline {spec}"
     toggles = [key for key in rows[0].settings if all(row.settings[key] in BOOLEANS for row in rows)]
     all_off = [row for row in measured if toggles and all(row.settings[k] == "false" for k in toggles)]
@@ -267,7 +269,7 @@ def toggle_effects(rows: list[Row]) -> list[tuple[str, float | None, float | Non
     for index, toggle in enumerate(toggles):
         ratios, changes = [], []
         for off_key in (key for key in complete if key[index] == "false"):
-            off, on = settings[off_key], settings[(*off_key[:index], "true", *off_key[index + 1:])]
+            off, on = settings[off_key], settings[(*off_key[:index], "true", *off_key[index + 1 :])]
             if on.mean("img_per_s") and off.mean("img_per_s"):
                 ratios.append(on.mean("img_per_s") / off.mean("img_per_s"))
             if on.mean("test_acc") is not None and off.mean("test_acc") is not None:
@@ -308,24 +310,39 @@ def markdown_table(rows: list[Row], target_acc: float | None) -> list[str]:
 def markdown_report(title: str, rows: list[Row], baseline_note: str, effects, target_acc) -> str:
     jobs = [job for row in rows for job in row.jobs]
     grouped = f"; mean ± std over `{GROUPED_KEY}`" if len(jobs) > len(rows) else ""
-    lines = [f"# Report: {title}", "", f"{len(jobs)} jobs in {len(rows)} rows; {baseline_note}.",
-             f"Speed-up = images/s ÷ baseline images/s. n = completed jobs in the row{grouped}."]
+    lines = [
+        f"# Report: {title}",
+        "",
+        f"{len(jobs)} jobs in {len(rows)} rows; {baseline_note}.",
+        f"Speed-up = images/s ÷ baseline images/s. n = completed jobs in the row{grouped}.",
+    ]
     if target_acc is not None:
         reached = percent(target_acc)
         lines.append(f"Time to target: wall-clock seconds until the test accuracy first reached {reached}.")
     lines += ["", *markdown_table(rows, target_acc)]
     if effects:
-        lines += ["", "## One toggle at a time", "",
-                  "Switching each toggle on, averaged over the other toggles' settings "
-                  "(speed-up: geometric mean of on/off images/s).", "",
-                  "| toggle | speed-up | Δ acc | pairs |", "|---|---|---|---|"]
-        lines += [f"| {toggle} | {cell(speedup, show_speedup)} | {cell(change, show_change)} | {pairs} |"
-                  for toggle, speedup, change, pairs in effects]
+        lines += [
+            "",
+            "## One toggle at a time",
+            "",
+            "Switching each toggle on, averaged over the other toggles' settings "
+            "(speed-up: geometric mean of on/off images/s).",
+            "",
+            "| toggle | speed-up | Δ acc | pairs |",
+            "|---|---|---|---|",
+        ]
+        lines += [
+            f"| {toggle} | {cell(speedup, show_speedup)} | {cell(change, show_change)} | {pairs} |"
+            for toggle, speedup, change, pairs in effects
+        ]
     unfinished = [job for job in jobs if job.status != "completed"]
     if unfinished:
         lines += ["", "## Jobs that did not complete", ""]
-        lines += [f"- {job.name} ({job.folder}): {job.status}"
-                  + (f": {job.metrics['error']}" if job.metrics.get("error") else "") for job in unfinished]
+        lines += [
+            f"- {job.name} ({job.folder}): {job.status}"
+            + (f": {job.metrics['error']}" if job.metrics.get("error") else "")
+            for job in unfinished
+        ]
     lines += ["", "![speed-up](speedup.png)", "", "![accuracy vs time](accuracy_vs_time.png)", ""]
     return "\n".join(lines)
 
@@ -344,9 +361,17 @@ def write_csv(path: Path, rows: list[Row], target_acc: float | None) -> None:
     records = []
     for row in rows:
         errors = [job.metrics["error"] for job in row.jobs if job.metrics.get("error")]
-        records.append({"job": row.name, **row.settings, "baseline": "yes" if row.is_baseline else "",
-                        "n": len(row.values("img_per_s")), "status": row.status,
-                        **csv_numbers(row, columns(target_acc)), "error": errors[0] if errors else ""})
+        records.append(
+            {
+                "job": row.name,
+                **row.settings,
+                "baseline": "yes" if row.is_baseline else "",
+                "n": len(row.values("img_per_s")),
+                "status": row.status,
+                **csv_numbers(row, columns(target_acc)),
+                "error": errors[0] if errors else "",
+            }
+        )
     with path.open("w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=list(records[0]))
         writer.writeheader()

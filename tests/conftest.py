@@ -37,12 +37,20 @@ def compose_config(*overrides: str, small: bool = True):
         return compose("config", overrides=[*(SMALL if small else []), *overrides])
 
 
-def run_cli(*args: str, cwd: Path, timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:
+def run_cli(
+    *args: str, cwd: Path, timeout: float = 240, env: dict | None = None
+) -> subprocess.CompletedProcess:
     """`python -m trainer ARGS` in a subprocess (output folders land under cwd/outputs)."""
     environment = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
     environment.pop("HYDRA_FULL_ERROR", None)
-    return subprocess.run([sys.executable, "-m", "trainer", *args], cwd=cwd, env=environment,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "trainer", *args],
+        cwd=cwd,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def read_metrics(run_dir: Path) -> dict:

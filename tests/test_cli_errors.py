@@ -134,23 +134,26 @@ def test_non_finite_loss_names_the_step_and_a_lower_learning_rate(outcomes):
     assert checkpoints_under(cwd / "outputs") == []
 
 
+# overrides -> what to_train_config says about them
+SCHEMA_ERRORS = [
+    (["grad_accum_steps=0"], "grad_accum_steps must be at least 1, got 0: set grad_accum_steps=1 or more"),
+    (["eval_every=0"], "eval_every must be at least 1, got 0: set eval_every=1 or more"),
+    (["max_steps=0"], "max_steps must be null or at least 1, got 0"),
+    (["num_workers=-1"], "num_workers must be 0 or more, got -1"),
+    (["device=gpu"], "device must be auto, cpu, cuda or cuda:N, got 'gpu'"),
+    (["persistent_workers=true"], "need worker processes: set num_workers=2"),
+    (["devices=2"], "devices=2 needs ddp=true (or drop devices)"),
+    (["data=cifar10", "data.root=null"], "data=cifar10 needs a folder: set data.root=/path/to/data"),
+    (["data.train_size=0"], "data.train_size and data.test_size must be at least 1"),
+    (["optim.warmup_frac=0"], "optim.warmup_frac must be in (0, 1), got 0.0"),
+    (["optim.label_smoothing=1.0"], "optim.label_smoothing must be in [0, 1), got 1.0"),
+    # Hydra lets `+key=value` through; the schema re-merge rejects it.
+    (["+ampp=true"], "unknown config key 'ampp'. Did you mean 'amp'?"),
+]
+
+
 @pytest.mark.parametrize(
-    ("overrides", "message"),
-    [
-        (["grad_accum_steps=0"], "grad_accum_steps must be at least 1, got 0: set grad_accum_steps=1 or more"),
-        (["eval_every=0"], "eval_every must be at least 1, got 0: set eval_every=1 or more"),
-        (["max_steps=0"], "max_steps must be null or at least 1, got 0"),
-        (["num_workers=-1"], "num_workers must be 0 or more, got -1"),
-        (["device=gpu"], "device must be auto, cpu, cuda or cuda:N, got 'gpu'"),
-        (["persistent_workers=true"], "need worker processes: set num_workers=2"),
-        (["devices=2"], "devices=2 needs ddp=true (or drop devices)"),
-        (["data=cifar10", "data.root=null"], "data=cifar10 needs a folder: set data.root=/path/to/data"),
-        (["data.train_size=0"], "data.train_size and data.test_size must be at least 1"),
-        (["optim.warmup_frac=0"], "optim.warmup_frac must be in (0, 1), got 0.0"),
-        (["optim.label_smoothing=1.0"], "optim.label_smoothing must be in [0, 1), got 1.0"),
-        # Hydra lets `+key=value` through; the schema re-merge rejects it.
-        (["+ampp=true"], "unknown config key 'ampp'. Did you mean 'amp'?"),
-    ],
+    ("overrides", "message"), SCHEMA_ERRORS, ids=[" ".join(overrides) for overrides, _ in SCHEMA_ERRORS]
 )
 def test_schema_rejects_bad_values_in_process(overrides, message):
     with pytest.raises(ConfigError) as caught:

@@ -34,13 +34,16 @@ def baseline(tmp_path_factory):
     return losses
 
 
-@pytest.mark.parametrize("toggle", [
-    "set_to_none=true",
-    "num_workers=2",
-    "pin_memory=true",
-    "non_blocking=true",
-    "data.prefetch=true",
-])
+@pytest.mark.parametrize(
+    "toggle",
+    [
+        "set_to_none=true",
+        "num_workers=2",
+        "pin_memory=true",
+        "non_blocking=true",
+        "data.prefetch=true",
+    ],
+)
 def test_exactly_equal_losses(tmp_path, baseline, toggle):
     Trainer(compose_config(*EQUIVALENCE, toggle), tmp_path).fit()
     assert step_losses(tmp_path) == baseline

@@ -63,8 +63,11 @@ def read_csv(folder: Path) -> list[dict]:
 
 def markdown_rows(text: str, first_cell: str) -> list[list[str]]:
     """The cells of the markdown table rows whose first cell starts with first_cell."""
-    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in text.splitlines()
-            if line.startswith("|")]
+    rows = [
+        [cell.strip() for cell in line.strip("|").split("|")]
+        for line in text.splitlines()
+        if line.startswith("|")
+    ]
     return [row for row in rows if row[0].startswith(first_cell)]
 
 
@@ -79,14 +82,19 @@ def hparam_text(value) -> str:
 
 
 def test_cli_writes_the_report_into_the_sweep_folder(toggle_sweep):
-    result = subprocess.run([sys.executable, str(SCRIPT), str(toggle_sweep)], capture_output=True, text=True,
-                            timeout=60)
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), str(toggle_sweep)], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == (toggle_sweep / "report.md").read_text().strip()
     rows = read_csv(toggle_sweep)
     assert len(rows) == 4
     assert {(row["amp"], row["channels_last"]) for row in rows} == {
-        ("false", "false"), ("false", "true"), ("true", "false"), ("true", "true")}
+        ("false", "false"),
+        ("false", "true"),
+        ("true", "false"),
+        ("true", "true"),
+    }
     assert [row["status"] for row in rows] == ["completed"] * 4
     assert (toggle_sweep / "speedup.png").is_file() and (toggle_sweep / "accuracy_vs_time.png").is_file()
 
@@ -120,10 +128,12 @@ def test_factorial_summary_gives_each_toggles_mean_effect(toggle_sweep, tmp_path
     assert code == 0
     assert "## One toggle at a time" in out and out == (tmp_path / "report.md").read_text() + "\n"
     speed = {(row["amp"], row["channels_last"]): float(row["img_per_s"]) for row in read_csv(tmp_path)}
-    amp_on = statistics.geometric_mean([speed["true", "false"] / speed["false", "false"],
-                                        speed["true", "true"] / speed["false", "true"]])
-    layout_on = statistics.geometric_mean([speed["false", "true"] / speed["false", "false"],
-                                           speed["true", "true"] / speed["true", "false"]])
+    amp_on = statistics.geometric_mean(
+        [speed["true", "false"] / speed["false", "false"], speed["true", "true"] / speed["false", "true"]]
+    )
+    layout_on = statistics.geometric_mean(
+        [speed["false", "true"] / speed["false", "false"], speed["true", "true"] / speed["true", "false"]]
+    )
     [amp] = markdown_rows(out, "amp")
     [channels_last] = markdown_rows(out, "channels_last")
     assert amp[1] == f"{amp_on:.2f}×" and amp[3] == "2"
@@ -193,8 +203,12 @@ def test_unfinished_jobs_and_missing_metrics_never_break_the_report(toggle_sweep
 
 
 def test_baseline_can_be_chosen_by_overrides_or_folder(toggle_sweep, tmp_path, capsys):
-    assert run_report(toggle_sweep, "--out", tmp_path, "--baseline", "amp=true,channels_last=false",
-                      capsys=capsys)[0] == 0
+    assert (
+        run_report(
+            toggle_sweep, "--out", tmp_path, "--baseline", "amp=true,channels_last=false", capsys=capsys
+        )[0]
+        == 0
+    )
     [baseline] = [row for row in read_csv(tmp_path) if row["baseline"] == "yes"]
     assert (baseline["amp"], baseline["channels_last"]) == ("true", "false")
     assert float(baseline["speedup"]) == pytest.approx(1.0)

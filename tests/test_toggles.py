@@ -25,19 +25,26 @@ def first(model: nn.Module, kind: type) -> nn.Module:
 
 @pytest.fixture(autouse=True)
 def restore_backend_flags():
-    saved = (torch.backends.cudnn.benchmark, torch.backends.cuda.matmul.allow_tf32,
-             torch.backends.cudnn.allow_tf32, torch.are_deterministic_algorithms_enabled())
+    saved = (
+        torch.backends.cudnn.benchmark,
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.backends.cudnn.allow_tf32,
+        torch.are_deterministic_algorithms_enabled(),
+    )
     yield
     torch.backends.cudnn.benchmark, torch.backends.cuda.matmul.allow_tf32 = saved[0], saved[1]
     torch.backends.cudnn.allow_tf32 = saved[2]
     torch.use_deterministic_algorithms(saved[3])
 
 
-@pytest.mark.parametrize(("overrides", "expected"), [
-    ((), torch.float32),
-    (("amp=true",), torch.bfloat16),
-    (("amp=true", "amp_dtype=bf16"), torch.bfloat16),
-])
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        ((), torch.float32),
+        (("amp=true",), torch.bfloat16),
+        (("amp=true", "amp_dtype=bf16"), torch.bfloat16),
+    ],
+)
 def test_amp_sets_the_dtype_seen_inside_forward(tmp_path, overrides, expected):
     trainer = built(tmp_path, "max_steps=2", *overrides)
     seen = []
@@ -61,12 +68,15 @@ def count_optimizer_steps(trainer: Trainer) -> list[int]:
     return steps
 
 
-@pytest.mark.parametrize(("train_size", "accum", "expected_steps"), [
-    (256, 1, 8),  # 8 micro-batches of 32
-    (256, 2, 4),
-    (224, 2, 4),  # 7 micro-batches: 3 full groups + a trailing group of 1
-    (224, 4, 2),
-])
+@pytest.mark.parametrize(
+    ("train_size", "accum", "expected_steps"),
+    [
+        (256, 1, 8),  # 8 micro-batches of 32
+        (256, 2, 4),
+        (224, 2, 4),  # 7 micro-batches: 3 full groups + a trailing group of 1
+        (224, 4, 2),
+    ],
+)
 def test_grad_accum_steps_the_optimizer_once_per_group(tmp_path, train_size, accum, expected_steps):
     trainer = built(tmp_path, f"data.train_size={train_size}", f"grad_accum_steps={accum}")
     steps = count_optimizer_steps(trainer)
@@ -78,8 +88,13 @@ def test_accumulated_step_equals_one_big_step(tmp_path):
     """k micro-batches of b/k give the same update as one batch of b (the cnn has no BatchNorm)."""
     weights = []
     for batch, accum in ((32, 1), (16, 2), (8, 4)):
-        trainer = built(tmp_path / f"{accum}", "max_steps=1", f"batch_size={batch}",
-                        f"grad_accum_steps={accum}", "deterministic=true")
+        trainer = built(
+            tmp_path / f"{accum}",
+            "max_steps=1",
+            f"batch_size={batch}",
+            f"grad_accum_steps={accum}",
+            "deterministic=true",
+        )
         trainer.fit()
         weights.append(torch.cat([p.detach().flatten() for p in trainer.raw_model.parameters()]))
     for other in weights[1:]:
@@ -106,8 +121,14 @@ def test_set_to_none_drops_or_zeroes_grads(tmp_path, set_to_none):
 
 def test_dataloader_fields_follow_the_toggles(tmp_path, caplog):
     caplog.set_level(logging.INFO)
-    trainer = built(tmp_path, "num_workers=2", "persistent_workers=true", "prefetch_factor=3",
-                    "pin_memory=true", "non_blocking=true")
+    trainer = built(
+        tmp_path,
+        "num_workers=2",
+        "persistent_workers=true",
+        "prefetch_factor=3",
+        "pin_memory=true",
+        "non_blocking=true",
+    )
     loader = trainer.train_loader
     assert (loader.num_workers, loader.persistent_workers, loader.prefetch_factor) == (2, True, 3)
     assert loader.pin_memory is False  # CPU: nothing to pin for, and the log says so
@@ -204,8 +225,16 @@ def coordinate_images(count: int) -> torch.Tensor:
 
 def test_gpu_loader_augmentation_statistics_on_the_cpu_tensor_path():
     count = 2000
-    loader = GpuLoader(coordinate_images(count), torch.arange(count), batch_size=250, train=True,
-                       augment=True, seed=0, mean=(0, 0, 0), std=(1, 1, 1))
+    loader = GpuLoader(
+        coordinate_images(count),
+        torch.arange(count),
+        batch_size=250,
+        train=True,
+        augment=True,
+        seed=0,
+        mean=(0, 0, 0),
+        std=(1, 1, 1),
+    )
     shifts, flips, seen = [], [], []
     for images, labels in loader:
         pixels = (images * 255).round().long()

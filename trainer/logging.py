@@ -50,12 +50,16 @@ class RunLog:
 
     def progress(self, total: int, description: str) -> tqdm:
         # disable=None: a bar on a terminal, nothing in a redirected log.
-        return tqdm(total=total, desc=description, unit="batch", dynamic_ncols=True, leave=False, disable=None)
+        return tqdm(
+            total=total, desc=description, unit="batch", dynamic_ncols=True, leave=False, disable=None
+        )
 
     def hparams(self, config: dict, final: dict) -> None:
         """Into this run's own event file, so that a sweep folder shows every job in HParams."""
         metrics = {f"hparam/{key}": float(final[key]) for key in FINAL_METRICS if final.get(key) is not None}
-        self.writer.add_hparams(flatten(config), metrics, run_name=".")
+        # add_hparams would store booleans as 0/1 numbers; as "true"/"false" they read as choices.
+        hparams = {k: str(v).lower() if isinstance(v, bool) else v for k, v in flatten(config).items()}
+        self.writer.add_hparams(hparams, metrics, run_name=".")
 
     def close(self) -> None:
         self.writer.close()

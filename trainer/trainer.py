@@ -182,6 +182,7 @@ class Trainer:
                 f"{len(splits.train)} training images: lower batch_size"
             )
         self.train_loader = train
+        self.batches_per_epoch = len(train)  # micro-batches; read before a resume skips any
         self.train_batches = perf.device_batches(cfg, train, device)
         self.test_batches = perf.device_batches(cfg, test, device)
         self.images_per_micro_batch = cfg.batch_size * ranks.world_size
@@ -236,7 +237,7 @@ class Trainer:
         cfg = self.cfg
         while self.epoch < cfg.epochs and self.step < self.total_steps and not self.stop_signal:
             record = self._train_epoch()
-            if self.stop_signal and self.batch_in_epoch:  # stopped inside the epoch
+            if self.stop_signal and self.batch_in_epoch < self.batches_per_epoch:  # inside the epoch
                 break
             self.epoch += 1
             self.batch_in_epoch = 0
@@ -428,6 +429,7 @@ class Trainer:
                 "epoch": self.epoch,
                 "batch_in_epoch": self.batch_in_epoch,
                 "step": self.step,
+                "total_steps": self.total_steps,
                 "best_test_acc": self.best_test_acc,
                 "history": self.history,
                 "train_time_s": self.train_time_s,
@@ -442,6 +444,15 @@ class Trainer:
         if saved_model != self.cfg.model.name.value:
             raise ConfigError(
                 f"resume={self.cfg.resume} holds a {saved_model} checkpoint: set model={saved_model}"
+            )
+        saved_steps = state.get("total_steps", state["scheduler"].get("total_steps"))
+        if saved_steps is not None and saved_steps != self.total_steps:
+            saved = state["config"]
+            limit = f" max_steps={saved['max_steps']}" if saved["max_steps"] is not None else ""
+            raise ConfigError(
+                f"resume={self.cfg.resume} continues a {saved_steps}-step schedule, this config makes "
+                f"{self.total_steps} steps: set epochs={saved['epochs']}{limit} "
+                f"batch_size={saved['batch_size']} as saved, or start a new run without resume"
             )
         self.raw_model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])

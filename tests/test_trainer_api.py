@@ -1,0 +1,197 @@
+"""`Trainer(cfg, run_dir).fit()` from Python: metrics, step limits, evaluation cadence,
+checkpoints, and a resume that ends bit-for-bit where an uninterrupted run ends."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import compose_config, read_metrics
+
+from trainer import Trainer
+from trainer.config import ConfigError
+
+# 256 synthetic images / batch 32 = 8 optimizer steps per epoch (see conftest.SMALL).
+STEPS_PER_EPOCH = 8
+RESUMABLE = ("deterministic=true", "epochs=2")
+
+
+def load_checkpoint(run_dir: Path) -> dict:
+    return torch.load(run_dir / "checkpoints" / "last.pt", map_location="cpu", weights_only=False)
+
+
+def assert_same_weights(expected: dict, actual: dict) -> None:
+    assert expected.keys() == actual.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(tensor, actual[name]), name
+
+
+@pytest.fixture(autouse=True, scope="module")
+def restore_deterministic_mode():
+    """deterministic=true switches torch into deterministic mode for the whole process."""
+    before = torch.are_deterministic_algorithms_enabled()
+    yield
+    torch.use_deterministic_algorithms(before)
+
+
+class StopAfterFirstEvaluation(Trainer):
+    """Sends itself SIGTERM once the first epoch has been evaluated, as `kill` would."""
+
+    def evaluate(self) -> dict:
+        result = super().evaluate()
+        if self.epoch == 1:
+            signal.raise_signal(signal.SIGTERM)
+        return result
+
+
+def test_fit_returns_what_it_writes_to_metrics_json(tmp_path):
+    metrics = Trainer(compose_config(), tmp_path / "run").fit()
+
+    assert metrics["status"] == "completed"
+    assert metrics["epochs"] == 1
+    assert metrics["steps"] == STEPS_PER_EPOCH
+    assert metrics == read_metrics(tmp_path / "run")
+
+
+def test_max_steps_stops_after_exactly_that_many_optimizer_steps(tmp_path):
+    # AdamW counts its own steps in its state: a witness independent of the Trainer's counter.
+    metrics = Trainer(compose_config("max_steps=3", "optim=adamw"), tmp_path / "run").fit()
+
+    assert metrics["status"] == "completed"
+    assert metrics["steps"] == 3
+    saved = load_checkpoint(tmp_path / "run")
+    assert saved["step"] == 3
+    assert {float(state["step"]) for state in saved["optimizer"]["state"].values()} == {3.0}
+    assert saved["scheduler"]["last_epoch"] == 3
+    assert metrics["test_acc"] is not None  # stopping early still ends with an evaluation
+
+
+def test_eval_every_evaluates_every_nth_epoch_and_after_the_last(tmp_path):
+    cfg = compose_config("epochs=3", "eval_every=2", "data.train_size=64")
+
+    metrics = Trainer(cfg, tmp_path / "run").fit()
+
+    evaluated = {record["epoch"]: record["test_acc"] for record in metrics["history"] if "test_acc" in record}
+    assert list(evaluated) == [2, 3]
+    assert metrics["test_acc"] == evaluated[3]
+    assert metrics["best_test_acc"] == max(evaluated.values())
+
+
+def test_checkpoint_holds_everything_a_resume_needs_and_no_temporary_file_is_left(tmp_path):
+    Trainer(compose_config(), tmp_path / "run").fit()
+
+    saved = load_checkpoint(tmp_path / "run")
+    assert {"model", "optimizer", "scheduler", "scaler", "epoch", "step", "rng", "config"} <= saved.keys()
+    assert (saved["epoch"], saved["step"]) == (1, STEPS_PER_EPOCH)
+    assert saved["config"]["model"]["name"] == "cnn"
+    assert {"torch", "numpy", "python"} <= saved["rng"].keys()
+    assert list((tmp_path / "run").rglob("*.tmp")) == []
+
+
+def test_a_save_that_dies_midway_leaves_the_previous_checkpoint_intact(tmp_path, monkeypatch):
+    real_save = torch.save
+    saves = []
+
+    def die_during_second_save(obj, path, *args, **kwargs):
+        saves.append(Path(path))
+        if len(saves) == 2:
+            Path(path).write_bytes(b"half a checkpoint")
+            raise OSError("disk full")
+        real_save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", die_during_second_save)
+
+    with pytest.raises(OSError, match="disk full"):
+        Trainer(compose_config("epochs=2"), tmp_path / "run").fit()
+
+    monkeypatch.undo()
+    assert saves[1] != tmp_path / "run" / "checkpoints" / "last.pt"  # written beside it, then renamed
+    assert load_checkpoint(tmp_path / "run")["epoch"] == 1
+    assert read_metrics(tmp_path / "run")["status"] == "failed"
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("uninterrupted") / "run"
+    Trainer(compose_config(*RESUMABLE), run_dir).fit()
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def interrupted(tmp_path_factory) -> tuple[Path, dict, bool]:
+    """(run folder, metrics, whether fit() put the SIGTERM handler back)."""
+    run_dir = tmp_path_factory.mktemp("interrupted") / "run"
+    handler_before = signal.getsignal(signal.SIGTERM)
+    metrics = StopAfterFirstEvaluation(compose_config(*RESUMABLE), run_dir).fit()
+    return run_dir, metrics, signal.getsignal(signal.SIGTERM) is handler_before
+
+
+def test_sigterm_stops_at_the_epoch_boundary_with_a_checkpoint(interrupted):
+    run_dir, metrics, handler_restored = interrupted
+
+    assert handler_restored
+    assert metrics["status"] == "interrupted"
+    assert (metrics["epochs"], metrics["steps"]) == (1, STEPS_PER_EPOCH)
+    assert read_metrics(run_dir)["status"] == "interrupted"
+    saved = load_checkpoint(run_dir)
+    assert (saved["epoch"], saved["step"]) == (1, STEPS_PER_EPOCH)
+
+
+@pytest.mark.parametrize("point_at", ["run folder", "checkpoint file"])
+def test_resumed_run_ends_with_the_uninterrupted_runs_weights(tmp_path, uninterrupted, interrupted, point_at):
+    interrupted_dir, interrupted_metrics, _ = interrupted
+    resume = interrupted_dir if point_at == "run folder" else interrupted_dir / "checkpoints" / "last.pt"
+
+    metrics = Trainer(compose_config(*RESUMABLE, f"resume={resume}"), tmp_path / "resumed").fit()
+
+    assert metrics["status"] == "completed"
+    assert (metrics["epochs"], metrics["steps"]) == (2, 2 * STEPS_PER_EPOCH)
+    assert metrics["resumed_from"] == str(interrupted_dir / "checkpoints" / "last.pt")
+    assert [record["epoch"] for record in metrics["history"]] == [1, 2]
+    # Epoch 1 is carried over from the checkpoint, not trained again: even its timings match.
+    assert metrics["history"][0] == interrupted_metrics["history"][0]
+    resumed_weights = load_checkpoint(tmp_path / "resumed")["model"]
+    assert_same_weights(load_checkpoint(uninterrupted)["model"], resumed_weights)
+    assert metrics["test_acc"] == read_metrics(uninterrupted)["test_acc"]
+
+
+def test_a_stop_on_the_last_step_of_an_epoch_keeps_that_epochs_record(tmp_path, uninterrupted):
+    # PRODUCT BUG (trainer/trainer.py, Trainer._train): a stop that lands on an epoch's last
+    # step is taken for a stop inside the epoch (`self.batch_in_epoch` is non-zero), so the
+    # epoch is neither counted nor evaluated, and the resumed run records it with
+    # train_loss 0.0 and train_acc 0.0. Fails until _train checks for a whole epoch instead.
+    trainer = Trainer(compose_config(*RESUMABLE), tmp_path / "run").build()
+    steps_taken = []
+
+    def stop_after_the_first_epochs_last_step(*_):
+        steps_taken.append(1)
+        if len(steps_taken) == STEPS_PER_EPOCH:
+            signal.raise_signal(signal.SIGTERM)
+
+    trainer.optimizer.register_step_post_hook(stop_after_the_first_epochs_last_step)
+    metrics = trainer.fit()
+
+    assert metrics["status"] == "interrupted"
+    assert (metrics["epochs"], metrics["steps"]) == (1, STEPS_PER_EPOCH)
+    resumed = Trainer(compose_config(*RESUMABLE, f"resume={tmp_path / 'run'}"), tmp_path / "resumed").fit()
+    assert resumed["status"] == "completed"
+    assert resumed["history"][0]["train_loss"] == read_metrics(uninterrupted)["history"][0]["train_loss"]
+    assert_same_weights(
+        load_checkpoint(uninterrupted)["model"], load_checkpoint(tmp_path / "resumed")["model"]
+    )
+
+
+def test_resuming_with_a_longer_schedule_is_refused_in_one_line(tmp_path, uninterrupted):
+    # PRODUCT BUG (trainer/trainer.py, Trainer._restore): the checkpoint's scheduler state
+    # brings its own length (OneCycleLR total_steps=16 here), so a resume with more epochs
+    # dies one step past it with torch's "ValueError: Tried to step 17 times" (a traceback on
+    # the command line). Commit 1f494fb says "Resume checks the schedule length"; no check exists.
+    cfg = compose_config("deterministic=true", "epochs=3", f"resume={uninterrupted}")
+
+    with pytest.raises(ConfigError, match="epochs") as caught:
+        Trainer(cfg, tmp_path / "resumed").fit()
+
+    assert "\n" not in str(caught.value)
+    assert read_metrics(tmp_path / "resumed")["status"] == "failed"
