@@ -53,7 +53,9 @@ ROWS: dict[str, list[str]] = {
 COMMON = ["data=synthetic", "data.train_size=50000", "data.test_size=10000", "log_every=100"]
 
 
-def run_row(name: str, overrides: list[str] | None, model: str, epochs: int, out: Path) -> dict:
+def run_row(
+    name: str, overrides: list[str] | None, model: str, epochs: int, out: Path, timeout_s: float
+) -> dict:
     run_dir = out / name.replace("=", "-")
     if overrides is None:
         command = [
@@ -79,19 +81,20 @@ def run_row(name: str, overrides: list[str] | None, model: str, epochs: int, out
             f"hydra.run.dir={run_dir}",
         ]
     started = time.perf_counter()
-    result = subprocess.run(
-        command,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}"},
-    )
+    row = {"row": name, "overrides": " ".join(overrides) if overrides else "(perf=fast settings, by hand)"}
+    try:
+        result = subprocess.run(
+            command,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            env={**os.environ, "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}"},
+        )
+    except subprocess.TimeoutExpired:
+        return {**row, "wall_s": timeout_s, "status": f"timed out after {timeout_s} s"}
     (out / f"{run_dir.name}.log").write_text(result.stdout + result.stderr)
-    row = {
-        "row": name,
-        "overrides": " ".join(overrides) if overrides else "(perf=fast settings, by hand)",
-        "wall_s": round(time.perf_counter() - started, 1),
-    }
+    row["wall_s"] = round(time.perf_counter() - started, 1)
     metrics_file = run_dir / "metrics.json"
     if result.returncode != 0 or not metrics_file.exists():
         tail = (result.stderr or result.stdout).strip().splitlines()[-1:] or ["?"]
@@ -139,6 +142,27 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def numeric(row: dict) -> dict:
+    def convert(value: str):
+        try:
+            return float(value)
+        except ValueError:
+            return value or None
+
+    return {
+        key: convert(value) if key not in ("row", "overrides", "status") else value
+        for key, value in row.items()
+    }
+
+
+def write_tables(out: Path, header: str, rows: list[dict]) -> None:
+    (out / "bench.md").write_text(f"{header}\n\n{table(rows)}\n")
+    with open(out / "bench.csv", "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=sorted({key for r in rows for key in r}))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
 def environment() -> str:
     import torch
 
@@ -161,8 +185,20 @@ def main(argv: list[str] | None = None) -> int:
         metavar="NAME:OVERRIDES",
         help="an extra row, e.g. 'fast+autotune:perf=fast compile_mode=max_autotune'",
     )
+    parser.add_argument("--row-timeout", type=float, default=240, help="seconds before a row is stopped")
     parser.add_argument("--list", action="store_true", help="print the row names and exit")
+    parser.add_argument(
+        "--merge",
+        nargs="+",
+        type=Path,
+        metavar="BENCH_CSV",
+        help="re-render the tables of earlier runs (split across machines calls) as one",
+    )
     args = parser.parse_args(argv)
+    if args.merge:
+        rows = [numeric(row) for path in args.merge for row in csv.DictReader(path.read_text().splitlines())]
+        print(table(rows))
+        return 0
     for extra in args.row:
         name, _, overrides = extra.partition(":")
         ROWS[name] = overrides.split()
@@ -190,18 +226,13 @@ def main(argv: list[str] | None = None) -> int:
     print(header, flush=True)
     rows = []
     for name in names:
-        rows.append(run_row(name, ROWS[name], args.model, args.epochs, out))
+        rows.append(run_row(name, ROWS[name], args.model, args.epochs, out, args.row_timeout))
         r = rows[-1]
         print(
             f"  {name}: {fmt(r.get('img_per_s'), ',.0f')} img/s ({r['status']}, {r['wall_s']} s)", flush=True
         )
-    text = f"{header}\n\n{table(rows)}\n"
-    print("\n" + text)
-    (out / "bench.md").write_text(text)
-    with open(out / "bench.csv", "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=sorted({key for r in rows for key in r}))
-        writer.writeheader()
-        writer.writerows(rows)
+        write_tables(out, header, rows)  # after every row: a stopped bench keeps what it measured
+    print("\n" + (out / "bench.md").read_text())
     return 0 if all(r["status"] == "completed" for r in rows) else 1
 
 
