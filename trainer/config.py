@@ -165,8 +165,6 @@ class TrainConfig:
             raise ConfigError(f"prefetch_factor must be null or at least 1, got {self.prefetch_factor}")
         if self.devices is not None and self.devices < 1:
             raise ConfigError(f"devices must be null or at least 1, got {self.devices}")
-        if self.devices is not None and self.devices > 1 and not self.ddp:
-            raise ConfigError(f"devices={self.devices} needs ddp=true (or drop devices)")
         if self.data.source is not DataSource.synthetic and not self.data.root:
             raise ConfigError(f"data={self.data.source.value} needs a folder: set data.root=/path/to/data")
         if self.data.loader is LoaderKind.gpu and self.num_workers > 0:

@@ -161,8 +161,8 @@ def _supervise(processes: list, results) -> object:
     while not results.empty():
         rank, status, payload = results.get()
         outcomes[rank] = (status, payload)
-    errors = sorted((rank, payload) for rank, (status, payload) in outcomes.items() if status == "error")
-    if errors:
+    errors = [(rank, payload) for rank, (status, payload) in outcomes.items() if status == "error"]
+    if errors:  # the first to fail is the cause; later ones are usually its echo (a broken collective)
         rank, message = errors[0]
         raise WorkerFailed(f"rank {rank} failed: {message}")
     if failed:

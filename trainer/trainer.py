@@ -111,23 +111,36 @@ class Trainer:
     def fit(self) -> dict:
         """Train, evaluate, checkpoint; return the final metrics (also in metrics.json)."""
         try:
+            if self.cfg.ddp and self.ranks is None and distributed.started_by_torchrun():
+                self.ranks = distributed.torchrun_ranks()
+                if not self.ranks.is_main:  # rank 0 keeps Hydra's console and log file
+                    configure_rank_logging(self.ranks, self.run_dir)
             if self.cfg.ddp and self.ranks is None:
-                return self._fit_distributed()
+                return self._launch_workers()
+            if self.cfg.ddp:
+                return self._fit_in_process_group()
             return self._fit(self.ranks or Ranks())
         except BaseException as error:
             if self.ranks is None or self.ranks.is_main:
                 self._record_failure(error)
             raise
 
-    def _fit_distributed(self) -> dict:
-        if distributed.started_by_torchrun():
-            return _fit_rank(distributed.torchrun_ranks(), self.config, str(self.run_dir), self.overrides)
+    def _launch_workers(self) -> dict:
         device_type = resolve_device(self.cfg.device, Ranks(), ddp=True).type
+        distributed.backend_for(self.cfg, device_type)  # refuse impossible backends before spawning
         world_size = distributed.world_size_for(self.cfg, device_type)
         log.info("ddp: launching %d processes (%s)", world_size, device_type)
         metrics = distributed.launch(world_size, _fit_rank, (self.config, str(self.run_dir), self.overrides))
         self.status = metrics["status"]
         return metrics
+
+    def _fit_in_process_group(self) -> dict:
+        device = resolve_device(self.cfg.device, self.ranks, ddp=True)
+        distributed.init_process_group(distributed.backend_for(self.cfg, device.type), self.ranks, device)
+        try:
+            return self._fit(self.ranks)
+        finally:
+            distributed.destroy_process_group()
 
     def _fit(self, ranks: Ranks) -> dict:
         if not self.built:
@@ -511,12 +524,6 @@ def _fmt(value: float | None) -> str:
 
 
 def _fit_rank(ranks: Ranks, config: dict, run_dir: str, overrides: list[str]) -> dict:
-    """One DDP process: its own Trainer inside a process group (also used under torchrun)."""
+    """One launched DDP process: its own Trainer inside the process group."""
     configure_rank_logging(ranks, Path(run_dir))
-    trainer = Trainer(config, run_dir, ranks=ranks, overrides=overrides)
-    device = resolve_device(trainer.cfg.device, ranks, ddp=True)
-    distributed.init_process_group(distributed.backend_for(trainer.cfg, device.type), ranks, device)
-    try:
-        return trainer.fit()
-    finally:
-        distributed.destroy_process_group()
+    return Trainer(config, run_dir, ranks=ranks, overrides=overrides).fit()
