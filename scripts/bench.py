@@ -54,7 +54,13 @@ COMMON = ["data=synthetic", "data.train_size=50000", "data.test_size=10000", "lo
 
 
 def run_row(
-    name: str, overrides: list[str] | None, model: str, epochs: int, out: Path, timeout_s: float
+    name: str,
+    overrides: list[str] | None,
+    model: str,
+    epochs: int,
+    out: Path,
+    timeout_s: float,
+    common: list[str] = COMMON,
 ) -> dict:
     run_dir = out / name.replace("=", "-")
     if overrides is None:
@@ -74,7 +80,7 @@ def run_row(
             "-m",
             "trainer",
             f"model={model}",
-            *COMMON,
+            *common,
             f"epochs={epochs}",
             f"eval_every={epochs}",
             *overrides,

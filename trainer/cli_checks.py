@@ -119,5 +119,16 @@ def explain(error: Exception) -> str:
     if isinstance(cause, OmegaConfBaseException):
         key = getattr(cause, "full_key", None)
         first = str(cause).splitlines()[0]
-        return f"invalid value for {key}: {first}" if key else first
+        return f"invalid value for {key}: {first}{type_hint(key, first)}" if key else first
     return text.strip().splitlines()[0]
+
+
+def type_hint(key: str, message: str) -> str:
+    """The fix, in override syntax, for a value of the wrong type."""
+    if "bool" in message:
+        return f": set {key}=true or {key}=false"
+    if "Integer" in message:
+        return f": set {key}=<a whole number>"
+    if "Float" in message:
+        return f": set {key}=<a number>"
+    return ""

@@ -72,10 +72,12 @@ def load_cifar10(cfg: DataConfig) -> Splits:
         train = datasets.CIFAR10(root, train=True, download=cfg.download)
         test = datasets.CIFAR10(root, train=False, download=cfg.download)
     except Exception as error:  # torchvision: RuntimeError when absent, URLError when offline
-        why = "download failed" if cfg.download else "download is off"
-        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        if cfg.download:
+            why = f"download failed: {str(error).splitlines()[0] if str(error) else type(error).__name__}"
+        else:
+            why = "no intact cifar-10-batches-py there and data.download=false"
         raise DatasetNotFoundError(
-            f"CIFAR-10 not found in {root.resolve()} ({why}: {reason}). Fix: "
+            f"CIFAR-10 not found in {root.resolve()} ({why}). Fix: "
             "data.root=/path/to/folder-with-cifar-10-batches-py, or "
             "data=imagefolder data.root=/path/to/class-folders, or data=synthetic"
         ) from None
