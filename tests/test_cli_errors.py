@@ -142,7 +142,6 @@ SCHEMA_ERRORS = [
     (["num_workers=-1"], "num_workers must be 0 or more, got -1"),
     (["device=gpu"], "device must be auto, cpu, cuda or cuda:N, got 'gpu'"),
     (["persistent_workers=true"], "need worker processes: set num_workers=2"),
-    (["devices=2"], "devices=2 needs ddp=true (or drop devices)"),
     (["data=cifar10", "data.root=null"], "data=cifar10 needs a folder: set data.root=/path/to/data"),
     (["data.train_size=0"], "data.train_size and data.test_size must be at least 1"),
     (["optim.warmup_frac=0"], "optim.warmup_frac must be in (0, 1), got 0.0"),
