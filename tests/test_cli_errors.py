@@ -95,7 +95,11 @@ def test_command_line_mistake_is_one_line_and_leaves_no_run_folder(outcomes, cas
 @pytest.mark.parametrize(
     ("case", "looked_at", "source_hint"),
     [
-        ("cifar10-absent", "CIFAR-10 not found in {empty} (no intact cifar-10-batches-py there", "data.download=false"),
+        (
+            "cifar10-absent",
+            "CIFAR-10 not found in {empty} (no intact cifar-10-batches-py there",
+            "data.download=false",
+        ),
         ("imagefolder-absent", "no class folders in {empty}/train", "train/<class>/ and test/<class>/"),
     ],
 )

@@ -44,23 +44,70 @@ def test_two_ranks_of_half_the_batch_match_one_process(tmp_path):
 
 
 def test_evaluation_counts_every_test_image_once(tmp_path):
-    """129 test images over 2 ranks: one rank sees 65, the other 64, none twice."""
+    """129 test images over 2 ranks (65 + 64): the reduced accuracy equals one process
+    evaluating the same weights on all 129."""
     metrics = Trainer(compose_config(*DDP, "data.test_size=129", "max_steps=2"), tmp_path).fit()
-    single = Trainer(compose_config("data.test_size=129", "max_steps=2", "batch_size=64"), tmp_path / "one")
-    single.build()
-    accuracy = metrics["test_acc"] * 129
-    assert abs(accuracy - round(accuracy)) < 1e-6  # a whole number of the 129 images
-    assert len(single.test_batches.loader.dataset) == 129
+    single = Trainer(compose_config("data.test_size=129"), tmp_path / "one").build()
+    single.raw_model.load_state_dict(model_tensors(tmp_path))
+    reference = single.evaluate()
+    assert metrics["test_acc"] == reference["test_acc"]
+    assert metrics["test_loss"] == pytest.approx(reference["test_loss"], rel=1e-5)
+
+
+def count_gradient_syncs(ranks, config: dict, run_dir: str) -> tuple[int, int]:
+    """In a launched rank: train with a comm hook that counts DDP's gradient all-reduces."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    from trainer import distributed
+
+    distributed.init_process_group("gloo", ranks, torch.device("cpu"))
+    try:
+        trainer = Trainer(config, run_dir, ranks=ranks).build(ranks)
+        syncs = []
+
+        def counting_hook(state, bucket):
+            syncs.append(1)
+            return default_hooks.allreduce_hook(state, bucket)
+
+        trainer.ddp_model.register_comm_hook(None, counting_hook)
+        trainer.fit()
+        return len(syncs), trainer.step
+    finally:
+        distributed.destroy_process_group()
+
+
+def test_accumulation_skips_the_all_reduce_between_boundaries(tmp_path):
+    """8 optimizer steps cost the same all-reduces with 1 or 4 micro-batches each: the
+    3 non-boundary backward passes of every group do not synchronize."""
+    from trainer.distributed import launch
+
+    counts = {}
+    for accum, images in ((1, 256), (4, 1024)):  # 8 steps of 16 x 2 ranks x accum images
+        overrides = (*DDP, f"data.train_size={images}", "batch_size=16", f"grad_accum_steps={accum}")
+        config = Trainer(compose_config(*overrides), tmp_path).config
+        counts[accum] = launch(2, count_gradient_syncs, (config, str(tmp_path / str(accum))))
+    assert counts[1][1] == counts[4][1] == 8  # optimizer steps
+    assert counts[4][0] == counts[1][0] > 0  # all-reduces (one per bucket per step)
 
 
 def test_ddp_sweep_makes_one_folder_per_job(tmp_path):
-    result = run_cli("-m", *SMALL, *DDP, "seed=0,1", cwd=tmp_path, env={"OMP_NUM_THREADS": "1"})
+    """The issue's own example: each job makes and tears down its own process group."""
+    result = run_cli(
+        "-m",
+        *SMALL,
+        "ddp=false,true",
+        "amp=false,true",
+        "devices=2",
+        cwd=tmp_path,
+        env={"OMP_NUM_THREADS": "1"},
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     jobs = run_folders(tmp_path / "outputs")
-    assert len(jobs) == 2
+    assert len(jobs) == 4
+    world_sizes = sorted(read_metrics(job)["world_size"] for job in jobs)
+    assert world_sizes == [1, 1, 2, 2]
     for job in jobs:
-        metrics = read_metrics(job)
-        assert metrics["status"] == "completed" and metrics["world_size"] == 2
+        assert read_metrics(job)["status"] == "completed"
         assert (job / "checkpoints" / "last.pt").is_file()
 
 

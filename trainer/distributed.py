@@ -89,8 +89,12 @@ def init_process_group(backend: str, ranks: Ranks, device: torch.device) -> None
     dist.init_process_group(backend, rank=ranks.rank, world_size=ranks.world_size, **kwargs)
 
 
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
 def destroy_process_group() -> None:
-    if dist.is_available() and dist.is_initialized():
+    if is_initialized():
         dist.destroy_process_group()
 
 

@@ -135,6 +135,9 @@ class Trainer:
         return metrics
 
     def _fit_in_process_group(self) -> dict:
+        """Inside the group the caller made, or in one made (and torn down) here."""
+        if distributed.is_initialized():
+            return self._fit(self.ranks)
         device = resolve_device(self.cfg.device, self.ranks, ddp=True)
         distributed.init_process_group(distributed.backend_for(self.cfg, device.type), self.ranks, device)
         try:
