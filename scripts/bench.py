@@ -87,7 +87,10 @@ def run_row(
             f"hydra.run.dir={run_dir}",
         ]
     started = time.perf_counter()
-    row = {"row": name, "overrides": " ".join(overrides) if overrides else "(perf=fast settings, by hand)"}
+    row = {
+        "row": name,
+        "overrides": "(perf=fast settings, by hand)" if overrides is None else " ".join(overrides),
+    }
     try:
         result = subprocess.run(
             command,
