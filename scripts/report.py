@@ -256,26 +256,50 @@ def add_comparisons(rows: list[Row], baseline: Row | None) -> None:
 # ---------------------------------------------------------------------------- one toggle at a time
 
 
-def toggle_effects(rows: list[Row]) -> list[tuple[str, float | None, float | None, int]] | None:
-    """For a full factorial over booleans: per toggle, the geometric-mean speed-up ratio and the
-    mean accuracy change of switching it on, over the other toggles' settings, and how many
-    on/off pairs had numbers. None when the rows are not such a factorial."""
-    toggles = list(rows[0].settings)
-    settings = {tuple(row.settings.values()): row for row in rows}
-    complete = list(itertools.product(BOOLEANS, repeat=len(toggles)))
-    if not toggles or len(rows) != len(complete) or set(settings) != set(complete):
+def factor_levels(rows: list[Row], baseline: Row | None) -> dict[str, tuple[str, str]] | None:
+    """(off, on) for every swept key when each takes exactly two values: false -> true for
+    booleans, else the baseline's value -> the other one. None when any key has more."""
+    levels = {}
+    for key in rows[0].settings:
+        values = sorted({row.settings[key] for row in rows})
+        if len(values) != 2:
+            return None
+        if tuple(values) == BOOLEANS:
+            levels[key] = BOOLEANS
+        else:
+            off = baseline.settings[key] if baseline is not None else values[0]
+            levels[key] = (off, values[1] if values[0] == off else values[0])
+    return levels
+
+
+def toggle_effects(
+    rows: list[Row], baseline: Row | None
+) -> list[tuple[str, float | None, float | None, int]] | None:
+    """For a full factorial over two-level settings (booleans, or any key swept over two
+    values): per key, the geometric-mean speed-up ratio and the mean accuracy change of
+    switching it from its off level to its on level, over the other keys' settings, and
+    how many on/off pairs had numbers. None when the rows are not such a factorial."""
+    levels = factor_levels(rows, baseline) if rows and rows[0].settings else None
+    if not levels:
+        return None
+    keys = list(levels)
+    settings = {tuple(row.settings[key] for key in keys): row for row in rows}
+    complete = list(itertools.product(*(levels[key] for key in keys)))
+    if len(rows) != len(complete) or set(settings) != set(complete):
         return None
     effects = []
-    for index, toggle in enumerate(toggles):
+    for index, key in enumerate(keys):
+        off_level, on_level = levels[key]
         ratios, changes = [], []
-        for off_key in (key for key in complete if key[index] == "false"):
-            off, on = settings[off_key], settings[(*off_key[:index], "true", *off_key[index + 1 :])]
+        for off_key in (combo for combo in complete if combo[index] == off_level):
+            off, on = settings[off_key], settings[(*off_key[:index], on_level, *off_key[index + 1 :])]
             if on.mean("img_per_s") and off.mean("img_per_s"):
                 ratios.append(on.mean("img_per_s") / off.mean("img_per_s"))
             if on.mean("test_acc") is not None and off.mean("test_acc") is not None:
                 changes.append(on.mean("test_acc") - off.mean("test_acc"))
         speedup = statistics.geometric_mean(ratios) if ratios else None
-        effects.append((toggle, speedup, statistics.fmean(changes) if changes else None, len(ratios)))
+        label = key if (off_level, on_level) == BOOLEANS else f"{key}: {off_level} → {on_level}"
+        effects.append((label, speedup, statistics.fmean(changes) if changes else None, len(ratios)))
     return effects
 
 
@@ -473,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or args.folders[0]
     out.mkdir(parents=True, exist_ok=True)
     title = ", ".join(map(str, args.folders))
-    report = markdown_report(title, rows, note, toggle_effects(rows), args.target_acc)
+    report = markdown_report(title, rows, note, toggle_effects(rows, baseline), args.target_acc)
     (out / "report.md").write_text(report)
     write_csv(out / "report.csv", rows, args.target_acc)
     plot_speedup(rows, out / "speedup.png")

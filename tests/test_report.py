@@ -248,3 +248,23 @@ def test_a_folder_without_jobs_is_a_one_line_error(tmp_path, capsys, folder):
     expected = "no job folders (folders holding .hydra/) under" if folder == "empty" else "no such folder"
     assert err.startswith(f"report: error: {expected}") and err.count("\n") == 1
     assert not (tmp_path / "empty" / "report.md").exists()
+
+
+def test_a_two_valued_non_boolean_key_counts_as_a_toggle_from_the_baselines_value(
+    toggle_sweep, tmp_path, capsys
+):
+    """A sweep over data.loader=torch,gpu is as much an ablation as one over a boolean."""
+    sweep_copy = tmp_path / "sweep"
+    shutil.copytree(toggle_sweep, sweep_copy, ignore=shutil.ignore_patterns("checkpoints", "report.*"))
+    for overrides in sweep_copy.glob("*/.hydra/overrides.yaml"):
+        text = overrides.read_text().replace("channels_last=False", "data.loader=torch")  # as Hydra writes it
+        overrides.write_text(text.replace("channels_last=True", "data.loader=gpu"))
+    code, out, _ = run_report(sweep_copy, capsys=capsys)
+    assert code == 0
+    speed = {(row["amp"], row["data.loader"]): float(row["img_per_s"]) for row in read_csv(sweep_copy)}
+    gpu_on = statistics.geometric_mean(
+        [speed["false", "gpu"] / speed["false", "torch"], speed["true", "gpu"] / speed["true", "torch"]]
+    )
+    [loader] = markdown_rows(out, "data.loader: torch → gpu")
+    assert loader[1] == f"{gpu_on:.2f}×" and loader[3] == "2"
+    assert markdown_rows(out, "amp")[0][3] == "2"
