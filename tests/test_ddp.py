@@ -71,7 +71,7 @@ def count_gradient_syncs(ranks, config: dict, run_dir: str) -> tuple[int, int]:
 
         trainer.ddp_model.register_comm_hook(None, counting_hook)
         trainer.fit()
-        return len(syncs), trainer.step
+        return len(syncs), trainer.progress.step
     finally:
         distributed.destroy_process_group()
 

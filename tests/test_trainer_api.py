@@ -41,7 +41,7 @@ class StopAfterFirstEvaluation(Trainer):
 
     def evaluate(self) -> dict:
         result = super().evaluate()
-        if self.epoch == 1:
+        if self.progress.epoch == 1:
             signal.raise_signal(signal.SIGTERM)
         return result
 
@@ -158,10 +158,8 @@ def test_resumed_run_ends_with_the_uninterrupted_runs_weights(tmp_path, uninterr
 
 
 def test_a_stop_on_the_last_step_of_an_epoch_keeps_that_epochs_record(tmp_path, uninterrupted):
-    # PRODUCT BUG (trainer/trainer.py, Trainer._train): a stop that lands on an epoch's last
-    # step is taken for a stop inside the epoch (`self.batch_in_epoch` is non-zero), so the
-    # epoch is neither counted nor evaluated, and the resumed run records it with
-    # train_loss 0.0 and train_acc 0.0. Fails until _train checks for a whole epoch instead.
+    """A stop that lands on an epoch's last step is a stop at the epoch's end: the epoch is
+    counted and evaluated, and the resumed run does not record it again."""
     trainer = Trainer(compose_config(*RESUMABLE), tmp_path / "run").build()
     steps_taken = []
 
@@ -184,10 +182,8 @@ def test_a_stop_on_the_last_step_of_an_epoch_keeps_that_epochs_record(tmp_path, 
 
 
 def test_resuming_with_a_longer_schedule_is_refused_in_one_line(tmp_path, uninterrupted):
-    # PRODUCT BUG (trainer/trainer.py, Trainer._restore): the checkpoint's scheduler state
-    # brings its own length (OneCycleLR total_steps=16 here), so a resume with more epochs
-    # dies one step past it with torch's "ValueError: Tried to step 17 times" (a traceback on
-    # the command line). Commit 1f494fb says "Resume checks the schedule length"; no check exists.
+    """The checkpoint's LR schedule has its own length; a resume that would run past it is
+    refused with the saved settings named, not left to fail a step past the schedule."""
     cfg = compose_config("deterministic=true", "epochs=3", f"resume={uninterrupted}")
 
     with pytest.raises(ConfigError, match="epochs") as caught:

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from trainer.config import TrainerError
+from trainer.config import ConfigError, TrainConfig, TrainerError
 
 CHECKPOINT = Path("checkpoints") / "last.pt"
 
@@ -56,3 +56,31 @@ def load_checkpoint(resume: str) -> dict:
         return torch.load(path, map_location="cpu", weights_only=False)
     except Exception as error:
         raise TrainerError(f"resume={resume}: {path} is not a readable checkpoint ({error})") from None
+
+
+def save(path: Path, stateful: dict, **extra) -> None:
+    """The state_dict of each named object, the RNG states and `extra`, atomically."""
+    atomic_save(
+        {**{name: obj.state_dict() for name, obj in stateful.items()}, "rng": rng_states(), **extra}, path
+    )
+
+
+def restore(state: dict, stateful: dict) -> None:
+    for name, obj in stateful.items():
+        obj.load_state_dict(state[name])
+    restore_rng_states(state["rng"])
+
+
+def check_compatible(state: dict, cfg: TrainConfig, total_steps: int) -> None:
+    """Resuming needs the same model and the same LR schedule length."""
+    saved = state["config"]
+    model = saved["model"]["name"]
+    if model != cfg.model.name.value:
+        raise ConfigError(f"resume={cfg.resume} holds a {model} checkpoint: set model={model}")
+    if state["total_steps"] != total_steps:
+        limit = f" max_steps={saved['max_steps']}" if saved["max_steps"] is not None else ""
+        raise ConfigError(
+            f"resume={cfg.resume} continues a {state['total_steps']}-step schedule, this config makes "
+            f"{total_steps} steps: set epochs={saved['epochs']}{limit} "
+            f"batch_size={saved['batch_size']} as saved, or start a new run without resume"
+        )

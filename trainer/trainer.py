@@ -30,6 +30,7 @@ from trainer.distributed import Ranks
 from trainer.logging import RunLog, SilentRunLog, configure_rank_logging, write_json_atomic
 from trainer.models import build_model
 from trainer.optim import build_optimizer, build_scheduler
+from trainer.progress import Progress
 from trainer.timing import data_wait_timer
 
 log = logging.getLogger(__name__)
@@ -82,12 +83,7 @@ class Trainer:
         self.ranks = ranks
         self.overrides = list(overrides or [])
         self.status = "running"
-        self.history: list[dict] = []
-        self.best_test_acc: float | None = None
-        self.epoch = 0  # epochs completed
-        self.step = 0  # optimizer steps taken
-        self.batch_in_epoch = 0  # micro-batches of the current epoch already consumed
-        self.train_time_s = 0.0
+        self.progress = Progress()
         self.stop_signal: str | None = None
         self.device: torch.device | None = None
         self.resumed_from: str | None = None
@@ -251,20 +247,23 @@ class Trainer:
 
     def _train(self) -> None:
         cfg = self.cfg
-        while self.epoch < cfg.epochs and self.step < self.total_steps and not self.stop_signal:
+        while (
+            self.progress.epoch < cfg.epochs
+            and self.progress.step < self.total_steps
+            and not self.stop_signal
+        ):
             record = self._train_epoch()
-            if self.stop_signal and self.batch_in_epoch < self.batches_per_epoch:  # inside the epoch
+            if self.stop_signal and self.progress.batch_in_epoch < self.batches_per_epoch:  # inside the epoch
                 break
-            self.epoch += 1
-            self.batch_in_epoch = 0
-            last = self.epoch == cfg.epochs or self.step >= self.total_steps
-            if self.epoch % cfg.eval_every == 0 or last:
+            self.progress.epoch += 1
+            self.progress.batch_in_epoch = 0
+            last = self.progress.epoch == cfg.epochs or self.progress.step >= self.total_steps
+            if self.progress.epoch % cfg.eval_every == 0 or last:
                 record.update(self.evaluate())
-                self.best_test_acc = max(self.best_test_acc or 0.0, record["test_acc"])
             record["wall_s"] = time.perf_counter() - self.fit_started
-            self.history.append(record)
+            self.progress.add_epoch(record)
             self.run_log.scalars(
-                self.step,
+                self.progress.step,
                 {
                     "train/acc": record["train_acc"],
                     "test/loss": record.get("test_loss"),
@@ -278,9 +277,9 @@ class Trainer:
             log.info(
                 "epoch %d/%d | step %d | loss %.4f | train acc %.4f | test acc %s | %.0f img/s"
                 " | data wait %s",
-                self.epoch,
+                self.progress.epoch,
                 cfg.epochs,
-                self.step,
+                self.progress.step,
                 record["train_loss"],
                 record["train_acc"],
                 _fmt(record.get("test_acc")),
@@ -301,7 +300,7 @@ class Trainer:
             log.warning(
                 "stopped by %s at step %d; checkpoint saved. Continue with resume=%s",
                 self.stop_signal,
-                self.step,
+                self.progress.step,
                 self.run_dir,
             )
         else:
@@ -310,13 +309,13 @@ class Trainer:
     def _train_epoch(self) -> dict:
         cfg, device = self.cfg, self.device
         self.model.train()
-        skip = self.batch_in_epoch
-        self.train_loader.set_epoch(self.epoch, skip)
+        skip = self.progress.batch_in_epoch
+        self.train_loader.set_epoch(self.progress.epoch, skip)
         plan = accumulation_plan(len(self.train_batches), cfg.grad_accum_steps)
         correct = torch.zeros((), device=device, dtype=torch.long)
         window: list[torch.Tensor] = []
         loss_total, micro_batches = 0.0, 0
-        progress = self.run_log.progress(len(plan), f"epoch {self.epoch + 1}/{cfg.epochs}")
+        progress = self.run_log.progress(len(plan), f"epoch {self.progress.epoch + 1}/{cfg.epochs}")
         self.synchronize()
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -332,12 +331,12 @@ class Trainer:
             self.profiler.step()
             if not boundary:
                 continue
-            if self.step % cfg.log_every == 0 or self.step >= self.total_steps:
+            if self.progress.step % cfg.log_every == 0 or self.progress.step >= self.total_steps:
                 loss_total += self._log_window(window, progress, time.perf_counter() - window_started)
                 micro_batches += len(window)
                 window, window_started = [], time.perf_counter()
-            if self.step >= self.total_steps or (
-                self.step % self.stop_check_every == 0 and self._stop_agreed()
+            if self.progress.step >= self.total_steps or (
+                self.progress.step % self.stop_check_every == 0 and self._stop_agreed()
             ):
                 break
         if window:
@@ -346,23 +345,23 @@ class Trainer:
         self.synchronize()
         epoch_s = time.perf_counter() - started
         progress.close()
-        self.train_time_s += epoch_s
-        self.batch_in_epoch = skip + micro_batches
+        self.progress.train_time_s += epoch_s
+        self.progress.batch_in_epoch = skip + micro_batches
         totals = distributed.all_reduce_sum(
             torch.tensor([loss_total, float(correct), micro_batches], dtype=torch.float64, device=device),
             self.ranks,
         ).tolist()
         wait = self.timer.wait_seconds()
         return {
-            "epoch": self.epoch + 1,
-            "step": self.step,
+            "epoch": self.progress.epoch + 1,
+            "step": self.progress.step,
             "train_loss": totals[0] / max(totals[2], 1),
             "train_acc": totals[1] / max(totals[2] * cfg.batch_size, 1),
             "img_per_s": micro_batches * self.images_per_micro_batch / epoch_s,
             "epoch_s": epoch_s,
             "data_wait_frac": None if wait is None else wait / epoch_s,
             "peak_mem_mb": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
-            "train_time_s": self.train_time_s,
+            "train_time_s": self.progress.train_time_s,
         }
 
     def _forward_backward(self, images: torch.Tensor, labels: torch.Tensor, divisor: int):
@@ -377,7 +376,7 @@ class Trainer:
         self.scaler.update()
         self.zero_grad()
         self.scheduler.step()
-        self.step += 1
+        self.progress.step += 1
 
     def _log_window(self, window: list[torch.Tensor], progress, seconds: float) -> float:
         """One host sync per window: read the losses, stop on NaN/inf, log. Returns their sum."""
@@ -385,14 +384,15 @@ class Trainer:
         bad = next((i for i, value in enumerate(losses) if not math.isfinite(value)), None)
         if bad is not None:
             steps_in_window = math.ceil(len(losses) / self.cfg.grad_accum_steps)
-            step = self.step - steps_in_window + bad // self.cfg.grad_accum_steps + 1
+            step = self.progress.step - steps_in_window + bad // self.cfg.grad_accum_steps + 1
+            epoch = self.progress.epoch + 1
             raise NonFiniteLoss(
-                f"training loss became {losses[bad]} at optimizer step {step} (epoch {self.epoch + 1}): "
+                f"training loss became {losses[bad]} at optimizer step {step} (epoch {epoch}): "
                 f"lower optim.lr (now {self.cfg.optim.lr}), or use amp_dtype=bf16 / amp=false"
             )
         mean = sum(losses) / len(losses)
         images_per_s = len(losses) * self.images_per_micro_batch / max(seconds, 1e-9)
-        self.run_log.scalars(self.step, {"train/loss": mean, "lr": self.scheduler.get_last_lr()[0]})
+        self.run_log.scalars(self.progress.step, {"train/loss": mean, "lr": self.scheduler.get_last_lr()[0]})
         progress.set_postfix(loss=f"{mean:.3f}", img_s=f"{images_per_s:,.0f}", refresh=False)
         progress.update(len(losses))
         return sum(losses)
@@ -433,81 +433,46 @@ class Trainer:
             self.stop_signal = self.stop_signal or "a stop on another rank"
         return self.stop_signal is not None
 
+    def _stateful(self) -> dict:
+        """Everything a checkpoint holds the state of, by name."""
+        return {
+            "model": self.raw_model,
+            "optimizer": self.optimizer,
+            "scheduler": self.scheduler,
+            "scaler": self.scaler,
+            "progress": self.progress,
+        }
+
     def _save_checkpoint(self) -> None:
-        if not self.ranks.is_main:
-            return
-        checkpoint.atomic_save(
-            {
-                "model": self.raw_model.state_dict(),
-                "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(),
-                "scaler": self.scaler.state_dict(),
-                "epoch": self.epoch,
-                "batch_in_epoch": self.batch_in_epoch,
-                "step": self.step,
-                "total_steps": self.total_steps,
-                "best_test_acc": self.best_test_acc,
-                "history": self.history,
-                "train_time_s": self.train_time_s,
-                "rng": checkpoint.rng_states(),
-                "config": self.config,
-            },
-            self.run_dir / checkpoint.CHECKPOINT,
-        )
+        if self.ranks.is_main:
+            checkpoint.save(
+                self.run_dir / checkpoint.CHECKPOINT,
+                self._stateful(),
+                config=self.config,
+                total_steps=self.total_steps,
+                epoch=self.progress.epoch,  # also in progress; here for a reader of the file
+                step=self.progress.step,
+            )
 
     def _restore(self, state: dict) -> None:
-        saved_model = state["config"]["model"]["name"]
-        if saved_model != self.cfg.model.name.value:
-            raise ConfigError(
-                f"resume={self.cfg.resume} holds a {saved_model} checkpoint: set model={saved_model}"
-            )
-        saved_steps = state.get("total_steps", state["scheduler"].get("total_steps"))
-        if saved_steps is not None and saved_steps != self.total_steps:
-            saved = state["config"]
-            limit = f" max_steps={saved['max_steps']}" if saved["max_steps"] is not None else ""
-            raise ConfigError(
-                f"resume={self.cfg.resume} continues a {saved_steps}-step schedule, this config makes "
-                f"{self.total_steps} steps: set epochs={saved['epochs']}{limit} "
-                f"batch_size={saved['batch_size']} as saved, or start a new run without resume"
-            )
-        self.raw_model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.scaler.load_state_dict(state["scaler"])
-        self.epoch, self.batch_in_epoch, self.step = state["epoch"], state["batch_in_epoch"], state["step"]
-        self.best_test_acc, self.history = state["best_test_acc"], state["history"]
-        self.train_time_s = state["train_time_s"]
-        checkpoint.restore_rng_states(state["rng"])
+        checkpoint.check_compatible(state, self.cfg, self.total_steps)
+        checkpoint.restore(state, self._stateful())
         self.resumed_from = str(checkpoint.resolve_checkpoint(self.cfg.resume))
-        log.info("resumed from %s at epoch %d, step %d", self.resumed_from, self.epoch, self.step)
+        log.info(
+            "resumed from %s at epoch %d, step %d", self.resumed_from, self.progress.epoch, self.progress.step
+        )
 
     # ------------------------------------------------------------------ results
 
     def summary(self) -> dict:
-        timed = self.history[1:] if len(self.history) > 1 else self.history
-        seconds = sum(r["epoch_s"] for r in timed)
-        images = sum(r["img_per_s"] * r["epoch_s"] for r in timed)
-        waits = [r["data_wait_frac"] * r["epoch_s"] for r in timed if r["data_wait_frac"] is not None]
-        tested = [r for r in self.history if "test_acc" in r]
-        peaks = [r["peak_mem_mb"] for r in self.history if r["peak_mem_mb"] is not None]
         return {
             "status": self.status,
-            "test_acc": tested[-1]["test_acc"] if tested else None,
-            "best_test_acc": self.best_test_acc,
-            "test_loss": tested[-1]["test_loss"] if tested else None,
-            "train_loss": self.history[-1]["train_loss"] if self.history else None,
-            "img_per_s": images / seconds if seconds else None,
-            "data_wait_frac": sum(waits) / seconds if waits and seconds else None,
-            "epochs": self.epoch,
-            "steps": self.step,
-            "train_time_s": self.train_time_s,
-            "peak_mem_mb": max(peaks) if peaks else None,
+            **self.progress.summary(),
             "device": str(self.device) if self.device else self.cfg.device,
             "world_size": self.ranks.world_size if self.ranks else None,
             "torch": torch.__version__,
             "overrides": self.overrides,
             "resumed_from": self.resumed_from,
-            "history": self.history,
         }
 
     def _record_failure(self, error: BaseException) -> None:

@@ -1,0 +1,50 @@
+"""Where a run stands and what it has measured: saved in every checkpoint, summarized in
+metrics.json."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class Progress:
+    epoch: int = 0  # epochs completed
+    step: int = 0  # optimizer steps taken
+    batch_in_epoch: int = 0  # micro-batches of the current epoch already consumed
+    train_time_s: float = 0.0  # training time, evaluation excluded
+    best_test_acc: float | None = None
+    history: list[dict] = field(default_factory=list)  # one record per completed epoch
+
+    def state_dict(self) -> dict:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        for name, value in state.items():
+            setattr(self, name, value)
+
+    def add_epoch(self, record: dict) -> None:
+        if "test_acc" in record:
+            self.best_test_acc = max(self.best_test_acc or 0.0, record["test_acc"])
+        self.history.append(record)
+
+    def summary(self) -> dict:
+        """Final numbers; images/s leaves out the first epoch (warm-up) when there are more."""
+        timed = self.history[1:] if len(self.history) > 1 else self.history
+        seconds = sum(r["epoch_s"] for r in timed)
+        images = sum(r["img_per_s"] * r["epoch_s"] for r in timed)
+        waits = [r["data_wait_frac"] * r["epoch_s"] for r in timed if r["data_wait_frac"] is not None]
+        tested = [r for r in self.history if "test_acc" in r]
+        peaks = [r["peak_mem_mb"] for r in self.history if r["peak_mem_mb"] is not None]
+        return {
+            "test_acc": tested[-1]["test_acc"] if tested else None,
+            "best_test_acc": self.best_test_acc,
+            "test_loss": tested[-1]["test_loss"] if tested else None,
+            "train_loss": self.history[-1]["train_loss"] if self.history else None,
+            "img_per_s": images / seconds if seconds else None,
+            "data_wait_frac": sum(waits) / seconds if waits and seconds else None,
+            "epochs": self.epoch,
+            "steps": self.step,
+            "train_time_s": self.train_time_s,
+            "peak_mem_mb": max(peaks) if peaks else None,
+            "history": self.history,
+        }
