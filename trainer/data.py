@@ -163,25 +163,9 @@ class SeededSampler(DistributedSampler):
         return self.num_samples - self.skip
 
 
-class SeededAugmentation(Dataset):
-    """Applies `transform` under the seed that the sampler paired with the index."""
-
-    def __init__(self, base: Dataset, transform: v2.Transform):
-        self.base = base
-        self.transform = transform
-
-    def __len__(self) -> int:
-        return len(self.base)
-
-    def __getitem__(self, key: tuple[int, int]) -> tuple[torch.Tensor, int]:
-        index, seed = key
-        image, label = self.base[index]
-        with torch.random.fork_rng(devices=[]):
-            torch.default_generator.manual_seed(seed)
-            return self.transform(image), label
-
-
 class Transformed(Dataset):
+    """`transform` applied to each image of `base`."""
+
     def __init__(self, base: Dataset, transform: v2.Transform):
         self.base = base
         self.transform = transform
@@ -192,6 +176,16 @@ class Transformed(Dataset):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         image, label = self.base[index]
         return self.transform(image), label
+
+
+class SeededAugmentation(Transformed):
+    """Applies the transform under the seed that the sampler paired with the index."""
+
+    def __getitem__(self, key: tuple[int, int]) -> tuple[torch.Tensor, int]:
+        index, seed = key
+        with torch.random.fork_rng(devices=[]):
+            torch.default_generator.manual_seed(seed)
+            return super().__getitem__(index)
 
 
 def image_transforms(augment: bool) -> v2.Compose:
