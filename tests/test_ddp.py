@@ -214,3 +214,25 @@ def test_impossible_ddp_requests_are_config_errors(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="devices=3 but this host has 2 GPU"):
         Trainer(compose_config("ddp=true", "devices=3", "device=cuda"), tmp_path / "c").fit()
     assert read_metrics(tmp_path / "c")["status"] == "failed"
+
+
+def torchrun(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    environment = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "trainer", *args]
+    return subprocess.run(command, cwd=cwd, env=environment, capture_output=True, text=True, timeout=180)
+
+
+def test_torchrun_ranks_join_its_group_and_share_one_run_folder(tmp_path):
+    result = torchrun(*SMALL, "ddp=true", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    [run] = run_folders(tmp_path / "outputs")
+    metrics = read_metrics(run)
+    assert (metrics["status"], metrics["world_size"]) == ("completed", 2)
+    assert (run / "rank1.log").is_file() and (run / "checkpoints" / "last.pt").is_file()
+
+
+def test_sweeps_under_torchrun_are_refused(tmp_path):
+    result = torchrun("-m", *SMALL, "ddp=true", "seed=0,1", cwd=tmp_path)
+    assert result.returncode != 0
+    assert "sweeps (-m) under torchrun are not supported" in result.stderr
+    assert not (tmp_path / "outputs").exists()
