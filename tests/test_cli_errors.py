@@ -164,3 +164,14 @@ def test_schema_rejects_bad_values_in_process(overrides, message):
 
     assert message in str(caught.value)
     assert "\n" not in str(caught.value)
+
+
+def test_a_sweep_is_checked_value_by_value_with_its_fixed_overrides(tmp_path):
+    from trainer.cli_checks import check_command_line
+
+    (tmp_path / "train").mkdir()
+    check_command_line(["-m", "data=imagefolder", f"data.root={tmp_path}", "amp=false,true"])
+    with pytest.raises(ConfigError, match="invalid value for amp"):
+        check_command_line(["-m", "model=cnn", "amp=false,maybe"])
+    with pytest.raises(ConfigError, match="data.loader=gpu uses no worker processes"):
+        check_command_line(["-m", "num_workers=2", "data.loader=torch,gpu"])

@@ -1,7 +1,7 @@
 """Command-line checks that run before Hydra makes a run folder.
 
-A single run is composed and validated in full; a sweep has each value of each override
-composed on its own. Either way a mistake costs one line naming the fix and no folder.
+A single run is composed and validated in full; in a sweep, each value of each swept key
+is composed with the fixed overrides. Either way a mistake costs one line naming the fix and no folder.
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ HYDRA_FLAGS_WITH_VALUE = {
 }
 
 
-def split_command_line(args: list[str]) -> tuple[list[str], bool, bool]:
-    """(overrides, is a sweep, only asks Hydra for information)."""
-    overrides, multirun, informational = [], False, False
+def split_command_line(args: list[str]) -> tuple[list[str], bool]:
+    """(the overrides to check, is it a sweep). Hydra's own flags and hydra.* keys pass."""
+    overrides, multirun = [], False
     skip_next = False
     for arg in args:
         if skip_next:
@@ -45,25 +45,14 @@ def split_command_line(args: list[str]) -> tuple[list[str], bool, bool]:
         elif arg in ("-m", "--multirun"):
             multirun = True
         elif arg.startswith("-"):
-            informational = informational or arg in (
-                "--help",
-                "-h",
-                "--hydra-help",
-                "--cfg",
-                "-c",
-                "--info",
-                "-i",
-                "--shell-completion",
-                "-sc",
-            )
             skip_next = arg in HYDRA_FLAGS_WITH_VALUE and "=" not in arg
         elif not arg.startswith("hydra.") and not arg.startswith("hydra/"):
             overrides.append(arg)
-    return overrides, multirun, informational
+    return overrides, multirun
 
 
 def check_command_line(args: list[str]) -> None:
-    overrides, multirun, _ = split_command_line(args)
+    overrides, multirun = split_command_line(args)
     if multirun and started_by_torchrun():
         raise ConfigError(
             "sweeps (-m) under torchrun are not supported: run the sweep without "
@@ -72,15 +61,15 @@ def check_command_line(args: list[str]) -> None:
     if not multirun:
         check_composition(overrides)
         return
-    for override in OverridesParser.create().parse_overrides(overrides):
-        if not override.is_sweep_override():
-            check_composition([override.input_line])
-            continue
-        if override.is_interval_sweep():
-            continue  # an optimizer's search interval: checked by the schema per job
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    fixed = [override.input_line for override in parsed if not override.is_sweep_override()]
+    check_composition(fixed)
+    for override in parsed:
+        if not override.is_sweep_override() or override.is_interval_sweep():
+            continue  # an interval is an optimizer's search space: the schema checks each job
         key = override.get_key_element()
         for value in override.sweep_string_iterator():
-            check_composition([f"{key}={value}"])
+            check_composition([*fixed, f"{key}={value}"])
 
 
 def check_composition(overrides: list[str]) -> None:
