@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -90,8 +91,6 @@ class SilentRunLog(RunLog):
 def configure_rank_logging(ranks, run_dir: Path) -> None:
     """In a spawned or torchrun process: rank 0 logs to the console and the run's log file,
     every other rank to `rank<N>.log` in the run folder."""
-    import logging
-
     root = logging.getLogger()
     for handler in list(root.handlers):
         root.removeHandler(handler)

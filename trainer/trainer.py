@@ -262,36 +262,7 @@ class Trainer:
                 record.update(self.evaluate())
             record["wall_s"] = time.perf_counter() - self.fit_started
             self.progress.add_epoch(record)
-            self.run_log.scalars(
-                self.progress.step,
-                {
-                    "train/acc": record["train_acc"],
-                    "test/loss": record.get("test_loss"),
-                    "test/acc": record.get("test_acc"),
-                    "perf/img_per_s": record["img_per_s"],
-                    "perf/epoch_s": record["epoch_s"],
-                    "perf/data_wait_frac": record["data_wait_frac"],
-                    "perf/peak_mem_mb": record["peak_mem_mb"],
-                },
-            )
-            log.info(
-                "epoch %d/%d | step %d | loss %.4f | train acc %.4f | test acc %s | %.0f img/s"
-                " | data wait %s",
-                self.progress.epoch,
-                cfg.epochs,
-                self.progress.step,
-                record["train_loss"],
-                record["train_acc"],
-                _fmt(record.get("test_acc")),
-                record["img_per_s"],
-                _fmt(record["data_wait_frac"]),
-            )
-            if (record["data_wait_frac"] or 0.0) > 0.2:
-                log.warning(
-                    "%.0f%% of the epoch waited for data: try more num_workers, pin_memory=true"
-                    " or data.loader=gpu",
-                    100 * record["data_wait_frac"],
-                )
+            self._report_epoch(record)
             self._save_checkpoint()
             self.run_log.metrics(self.summary())
         if self.stop_signal:
@@ -305,6 +276,39 @@ class Trainer:
             )
         else:
             self.status = "completed"
+
+    def _report_epoch(self, record: dict) -> None:
+        """TensorBoard scalars, one log line, and the input-pipeline hint when data is slow."""
+        cfg = self.cfg
+        self.run_log.scalars(
+            self.progress.step,
+            {
+                "train/acc": record["train_acc"],
+                "test/loss": record.get("test_loss"),
+                "test/acc": record.get("test_acc"),
+                "perf/img_per_s": record["img_per_s"],
+                "perf/epoch_s": record["epoch_s"],
+                "perf/data_wait_frac": record["data_wait_frac"],
+                "perf/peak_mem_mb": record["peak_mem_mb"],
+            },
+        )
+        log.info(
+            "epoch %d/%d | step %d | loss %.4f | train acc %.4f | test acc %s | %.0f img/s | data wait %s",
+            self.progress.epoch,
+            cfg.epochs,
+            self.progress.step,
+            record["train_loss"],
+            record["train_acc"],
+            _fmt(record.get("test_acc")),
+            record["img_per_s"],
+            _fmt(record["data_wait_frac"]),
+        )
+        if (record["data_wait_frac"] or 0.0) > 0.2:
+            log.warning(
+                "%.0f%% of the epoch waited for data: try more num_workers, pin_memory=true"
+                " or data.loader=gpu",
+                100 * record["data_wait_frac"],
+            )
 
     def _train_epoch(self) -> dict:
         cfg, device = self.cfg, self.device
