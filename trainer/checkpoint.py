@@ -50,10 +50,11 @@ def resolve_checkpoint(resume: str) -> Path:
     return path
 
 
-def load_checkpoint(resume: str) -> dict:
+def load_checkpoint(resume: str) -> tuple[Path, dict]:
+    """The resolved checkpoint file and what it holds."""
     path = resolve_checkpoint(resume)
     try:
-        return torch.load(path, map_location="cpu", weights_only=False)
+        return path, torch.load(path, map_location="cpu", weights_only=False)
     except Exception as error:
         raise TrainerError(f"resume={resume}: {path} is not a readable checkpoint ({error})") from None
 

@@ -169,7 +169,7 @@ class Trainer:
         np.random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
         perf.apply_backend_flags(cfg, device)
-        resume_state = checkpoint.load_checkpoint(cfg.resume) if cfg.resume else None
+        resume = checkpoint.load_checkpoint(cfg.resume) if cfg.resume else None
 
         splits = load_source(cfg.data, cfg.seed)
         if cfg.data.loader is LoaderKind.gpu:
@@ -225,8 +225,8 @@ class Trainer:
         self.timer = data_wait_timer(cfg.measure_data_wait, device.type)
         self.stop_check_every = 1 if ranks.world_size == 1 else cfg.log_every
 
-        if resume_state is not None:
-            self._restore(resume_state)
+        if resume is not None:
+            self._restore(*resume)
         # Files appear only once everything above has worked.
         self.run_log = RunLog(self.run_dir) if ranks.is_main else SilentRunLog(self.run_dir)
         self.profiler = perf.Profiler(cfg.profile and ranks.is_main, str(self.run_dir / "profile"))
@@ -458,10 +458,10 @@ class Trainer:
                 step=self.progress.step,
             )
 
-    def _restore(self, state: dict) -> None:
+    def _restore(self, path: Path, state: dict) -> None:
         checkpoint.check_compatible(state, self.cfg, self.total_steps)
         checkpoint.restore(state, self._stateful())
-        self.resumed_from = str(checkpoint.resolve_checkpoint(self.cfg.resume))
+        self.resumed_from = str(path)
         log.info(
             "resumed from %s at epoch %d, step %d", self.resumed_from, self.progress.epoch, self.progress.step
         )
