@@ -37,16 +37,21 @@ def compose_config(*overrides: str, small: bool = True):
         return compose("config", overrides=[*(SMALL if small else []), *overrides])
 
 
+def cli_environment(env: dict | None = None) -> dict:
+    """The environment for a `trainer` subprocess: this checkout first, Hydra's short errors."""
+    environment = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    environment.pop("HYDRA_FULL_ERROR", None)
+    return environment
+
+
 def run_cli(
     *args: str, cwd: Path, timeout: float = 240, env: dict | None = None
 ) -> subprocess.CompletedProcess:
     """`python -m trainer ARGS` in a subprocess (output folders land under cwd/outputs)."""
-    environment = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
-    environment.pop("HYDRA_FULL_ERROR", None)
     return subprocess.run(
         [sys.executable, "-m", "trainer", *args],
         cwd=cwd,
-        env=environment,
+        env=cli_environment(env),
         capture_output=True,
         text=True,
         timeout=timeout,

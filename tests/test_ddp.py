@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, SMALL, compose_config, read_metrics, run_cli, run_folders
+from conftest import SMALL, cli_environment, compose_config, read_metrics, run_cli, run_folders
 from PIL import Image
 
 from trainer import Trainer
@@ -167,7 +166,7 @@ def test_a_failing_rank_ends_the_whole_run(tmp_path):
 def test_ddp_resume_after_a_stop_matches_the_uninterrupted_run(tmp_path):
     args = [*SMALL, *DDP, "deterministic=true", "epochs=3", "data.train_size=512", "log_every=1"]
     args = [a for a in args if not a.startswith("epochs=1")]
-    environment = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    environment = cli_environment({"OMP_NUM_THREADS": "1"})
     stopped = tmp_path / "stopped"
     launcher = subprocess.Popen(
         [sys.executable, "-m", "trainer", *args, f"hydra.run.dir={stopped}"],
@@ -217,7 +216,7 @@ def test_impossible_ddp_requests_are_config_errors(tmp_path, monkeypatch):
 
 
 def torchrun(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    environment = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    environment = cli_environment({"OMP_NUM_THREADS": "1"})
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "trainer", *args]
     return subprocess.run(command, cwd=cwd, env=environment, capture_output=True, text=True, timeout=180)
 
