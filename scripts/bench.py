@@ -1,15 +1,26 @@
-"""GPU throughput ablation: the baseline, each toggle alone on top of it, `perf=fast`, and a
-hand-written loop with perf=fast's settings (to show the framework's own overhead).
+"""GPU throughput: the trainer beside hand-written peers, and what each toggle buys.
 
-    python scripts/bench.py                          # ResNet-18, every row, 4 epochs each
-    python scripts/bench.py --model cnn --rows baseline,fast,handwritten
-    python scripts/bench.py --list                   # the row names
+    python scripts/bench.py --data-root ~/cifar10 --sections peers,default --repeats 3
+    python scripts/bench.py --data-root ~/cifar10 --sections added,removed,files
+    python scripts/bench.py --list                   # the sections and their rows
 
-Each row runs `python -m trainer` in its own process on CIFAR-shaped synthetic data
-(50,000 training images, as CIFAR-10), so no row inherits another's compiled graphs,
-cuDNN plans or allocator state. Images/s is the median over the epochs after the first
-(the warm-up: worker start, cuDNN autotuning, compilation). Prints a Markdown table and
-writes bench.md and bench.csv into --out.
+Sections (each row runs `python -m trainer`, or a hand-written loop, in its own process, so
+no row inherits another's compiled graphs, cuDNN plans or allocator state):
+
+  peers    the trainer against scripts/handwritten_loop.py at identical settings: the classic
+           torchvision pipeline (2 workers, fp32 with TF32 convolutions, batch 128), the same
+           with the usual checklist (8 workers, pinned memory, non-blocking copies, fp16 AMP,
+           channels_last, set_to_none, cuDNN autotuning, batch 512), and perf=fast
+  default  `python -m trainer` with no override, and with amp=true
+  added    each toggle added to a fed baseline (perf=default: fp32, batch 128, num_workers=auto)
+  removed  each toggle taken out of perf=fast (leave-one-out)
+  files    images decoded from their files every epoch (data.decode=every_epoch): where
+           DataLoader workers matter
+
+Images/s of a run is the median over its epochs after the first (warm-up: worker start,
+cuDNN autotuning, compilation); with --repeats N the row shows the median of the N runs and
+their spread (min-max). Speed-up is against the section's reference row. Writes bench.md and
+bench.csv into --out after every row, so a stopped bench keeps what it measured.
 """
 
 from __future__ import annotations
@@ -22,75 +33,115 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 
-# name -> overrides on top of the baseline (a plain PyTorch loop, batch 128)
-ROWS: dict[str, list[str]] = {
-    "baseline": [],
-    "amp": ["amp=true"],
-    "amp_fp16": ["amp=true", "amp_dtype=fp16"],
-    "channels_last": ["channels_last=true"],
-    "set_to_none": ["set_to_none=true"],
-    "num_workers=8": ["num_workers=8", "persistent_workers=true"],
-    "pin_memory": ["num_workers=8", "persistent_workers=true", "pin_memory=true", "non_blocking=true"],
-    "prefetch": ["data.prefetch=true", "pin_memory=true", "non_blocking=true", "num_workers=8"],
-    "gpu_loader": ["data.loader=gpu"],
-    "cudnn_benchmark": ["cudnn_benchmark=true"],
-    "tf32": ["tf32=true"],
-    "fused_optimizer": ["fused_optimizer=true"],
-    "conv_bias=false": ["model.conv_bias=false"],
-    "grad_checkpointing": ["model.grad_checkpointing=true"],
-    "compile": ["compile=true"],
-    "batch_size=512": ["batch_size=512"],
-    "fast": ["perf=fast"],
-    "fast+compile_default": ["perf=fast", "compile_mode=default"],
-    "handwritten": None,  # scripts/handwritten_loop.py with perf=fast's settings
+
+@dataclass
+class Row:
+    name: str
+    trainer: list[str] | None = None  # overrides for `python -m trainer`
+    handwritten: list[str] | None = None  # arguments for scripts/handwritten_loop.py
+
+    def describe(self) -> str:
+        if self.handwritten is not None:
+            return "hand-written: " + " ".join(self.handwritten)
+        return " ".join(self.trainer) or "(no overrides)"
+
+
+CLASSIC = ["perf=baseline", "num_workers=2", "persistent_workers=true", "tf32=true"]
+CHECKLIST = [
+    "perf=baseline",
+    "num_workers=8",
+    "persistent_workers=true",
+    "pin_memory=true",
+    "non_blocking=true",
+    "amp=true",
+    "amp_dtype=fp16",
+    "channels_last=true",
+    "set_to_none=true",
+    "cudnn_benchmark=true",
+    "tf32=true",
+    "batch_size=512",
+]
+HAND_CHECKLIST = [
+    "--loader", "classic", "--workers", "8", "--pin-memory", "--amp", "fp16", "--channels-last",
+    "--set-to-none", "--cudnn-benchmark", "--batch-size", "512",
+]  # fmt: skip
+
+# section -> rows; the first row of a section is its reference for the speed-up
+SECTIONS: dict[str, list[Row]] = {
+    "peers": [
+        Row("classic: hand-written", handwritten=["--loader", "classic", "--workers", "2"]),
+        Row("classic: trainer", CLASSIC),
+        Row("checklist: hand-written", handwritten=HAND_CHECKLIST),
+        Row("checklist: trainer", CHECKLIST),
+        Row("fast: hand-written", handwritten=["--loader", "gpu"]),
+        Row("fast: trainer", ["perf=fast"]),
+    ],
+    "default": [
+        Row("default", []),
+        Row("default + amp", ["amp=true"]),
+    ],
+    "added": [
+        Row("fed baseline", []),
+        Row("+ amp (bf16)", ["amp=true"]),
+        Row("+ amp fp16", ["amp=true", "amp_dtype=fp16"]),
+        Row("+ channels_last", ["channels_last=true"]),
+        Row("+ amp + channels_last", ["amp=true", "channels_last=true"]),
+        Row("+ tf32", ["tf32=true"]),
+        Row("+ cudnn_benchmark", ["cudnn_benchmark=true"]),
+        Row("+ batch_size=512", ["batch_size=512"]),
+        Row("+ compile", ["compile=true"]),
+        Row("+ fused_optimizer", ["fused_optimizer=true"]),
+        Row("+ set_to_none", ["set_to_none=true"]),
+        Row("+ conv_bias=false", ["model.conv_bias=false"]),
+        Row("+ pin_memory + non_blocking", ["pin_memory=true", "non_blocking=true"]),
+        Row("+ data.prefetch", ["data.prefetch=true", "pin_memory=true", "non_blocking=true"]),
+        Row("+ data.loader=gpu", ["data.loader=gpu"]),
+        Row("+ grad_checkpointing", ["model.grad_checkpointing=true"]),
+    ],
+    "removed": [
+        Row("perf=fast", ["perf=fast"]),
+        Row("- amp", ["perf=fast", "amp=false"]),
+        Row("- channels_last", ["perf=fast", "channels_last=false"]),
+        Row("- data.loader=gpu (DataLoader, auto workers)", ["perf=fast", "data.loader=torch"]),
+        Row("- compile", ["perf=fast", "compile=false"]),
+        Row("- CUDA graphs (compile_mode=default)", ["perf=fast", "compile_mode=default"]),
+        Row("- batch_size=512 (128)", ["perf=fast", "batch_size=128"]),
+        Row("- cudnn_benchmark", ["perf=fast", "cudnn_benchmark=false"]),
+        Row("- tf32", ["perf=fast", "tf32=false"]),
+        Row("- fused_optimizer", ["perf=fast", "fused_optimizer=false"]),
+        Row("- set_to_none", ["perf=fast", "set_to_none=false"]),
+        Row("- conv_bias=false", ["perf=fast", "model.conv_bias=true"]),
+    ],
+    "files": [
+        Row("every_epoch, num_workers=0", ["data.decode=every_epoch", "num_workers=0", "amp=true"]),
+        Row("every_epoch, num_workers=4", ["data.decode=every_epoch", "num_workers=4", "amp=true"]),
+        Row(
+            "every_epoch, num_workers=12",
+            ["data.decode=every_epoch", "num_workers=12", "persistent_workers=true", "amp=true"],
+        ),
+        Row("decoded once (default)", ["amp=true"]),
+    ],
 }
 
-COMMON = ["data=synthetic", "data.train_size=50000", "data.test_size=10000", "log_every=100"]
+SYNTHETIC = ["data=synthetic", "data.train_size=50000", "data.test_size=10000"]
 
 
-def run_row(
-    name: str,
-    overrides: list[str] | None,
-    model: str,
-    epochs: int,
-    out: Path,
-    timeout_s: float,
-    common: list[str] = COMMON,
-) -> dict:
-    run_dir = out / name.replace("=", "-")
-    if overrides is None:
-        command = [
-            sys.executable,
-            str(REPO / "scripts" / "handwritten_loop.py"),
-            "--model",
-            model,
-            "--epochs",
-            str(epochs),
-            "--out",
-            str(run_dir),
-        ]
+def run_once(row: Row, data: list[str], model: str, epochs: int, run_dir: Path, timeout_s: float) -> dict:
+    """One process; its images/s (median over the epochs after the first), or why it failed."""
+    if row.handwritten is not None:
+        command = [sys.executable, str(REPO / "scripts" / "handwritten_loop.py"), *row.handwritten]
+        command += ["--model", model, "--epochs", str(epochs), "--out", str(run_dir)]
+        root = next((item.split("=", 1)[1] for item in data if item.startswith("data.root=")), None)
+        command += ["--data-root", root] if root else []
     else:
-        command = [
-            sys.executable,
-            "-m",
-            "trainer",
-            f"model={model}",
-            *common,
-            f"epochs={epochs}",
-            f"eval_every={epochs}",
-            *overrides,
-            f"hydra.run.dir={run_dir}",
-        ]
-    started = time.perf_counter()
-    row = {
-        "row": name,
-        "overrides": "(perf=fast settings, by hand)" if overrides is None else " ".join(overrides),
-    }
+        command = [sys.executable, "-m", "trainer", f"model={model}", *data, "log_every=100"]
+        command += [f"epochs={epochs}", f"eval_every={epochs}", *row.trainer, f"hydra.run.dir={run_dir}"]
     try:
         result = subprocess.run(
             command,
@@ -101,53 +152,89 @@ def run_row(
             env={**os.environ, "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}"},
         )
     except subprocess.TimeoutExpired:
-        return {**row, "wall_s": timeout_s, "status": f"timed out after {timeout_s} s"}
-    (out / f"{run_dir.name}.log").write_text(result.stdout + result.stderr)
-    row["wall_s"] = round(time.perf_counter() - started, 1)
+        return {"status": f"timed out after {timeout_s:.0f} s"}
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "output.log").write_text(result.stdout + result.stderr)
     metrics_file = run_dir / "metrics.json"
     if result.returncode != 0 or not metrics_file.exists():
         tail = (result.stderr or result.stdout).strip().splitlines()[-1:] or ["?"]
-        return {**row, "status": f"failed: {tail[0][:120]}"}
+        return {"status": f"failed: {tail[0][:120]}"}
     metrics = json.loads(metrics_file.read_text())
     timed = metrics["history"][1:] or metrics["history"]
     waits = [r["data_wait_frac"] for r in timed if r.get("data_wait_frac") is not None]
     return {
-        **row,
         "status": metrics["status"],
         "img_per_s": statistics.median(r["img_per_s"] for r in timed),
-        "epoch_s": statistics.median(r["epoch_s"] for r in timed),
         "peak_mem_mb": metrics.get("peak_mem_mb"),
         "data_wait_frac": statistics.median(waits) if waits else None,
-        "test_acc": metrics.get("test_acc"),
+    }
+
+
+def run_row(section: str, row: Row, args, data: list[str], out: Path) -> dict:
+    runs = []
+    for repeat in range(args.repeats):
+        slug = "".join(c if c.isalnum() else "-" for c in row.name).strip("-")
+        run_dir = out / section / f"{slug}-{repeat}"
+        started = time.perf_counter()
+        runs.append(run_once(row, data, args.model, args.epochs, run_dir, args.row_timeout))
+        rate = runs[-1].get("img_per_s")
+        print(
+            f"  {section} | {row.name} | run {repeat + 1}: {fmt(rate, ',.0f')} img/s "
+            f"({runs[-1]['status']}, {time.perf_counter() - started:.0f} s)",
+            flush=True,
+        )
+    done = [run for run in runs if "img_per_s" in run]
+    result = {"section": section, "row": row.name, "settings": row.describe(), "runs": len(done)}
+    if not done:
+        return {**result, "status": runs[-1]["status"]}
+    rates = [run["img_per_s"] for run in done]
+    waits = [run["data_wait_frac"] for run in done if run["data_wait_frac"] is not None]
+    return {
+        **result,
+        "status": "completed" if len(done) == len(runs) else f"{len(runs) - len(done)} run(s) failed",
+        "img_per_s": statistics.median(rates),
+        "min_img_per_s": min(rates),
+        "max_img_per_s": max(rates),
+        "peak_mem_mb": statistics.median(run["peak_mem_mb"] or 0 for run in done) or None,
+        "data_wait_frac": statistics.median(waits) if waits else None,
     }
 
 
 def fmt(value, spec: str) -> str:
-    return "" if value is None else format(value, spec)
+    return "" if value is None or value == "" else format(value, spec)
 
 
 def table(rows: list[dict]) -> str:
-    baseline = next((r for r in rows if r["row"] == "baseline" and "img_per_s" in r), None)
-    fast = next((r for r in rows if r["row"] == "fast" and "img_per_s" in r), None)
-    lines = [
-        "| row | overrides | images/s | speed-up | peak mem (MB) | data wait | status |",
-        "| --- | --- | ---: | ---: | ---: | ---: | --- |",
-    ]
-    for r in rows:
-        speedup = r["img_per_s"] / baseline["img_per_s"] if baseline and "img_per_s" in r else None
-        r["speedup"] = speedup
-        lines.append(
-            f"| {r['row']} | {r['overrides']} | {fmt(r.get('img_per_s'), ',.0f')} | "
-            f"{fmt(speedup, '.2f')}{'x' if speedup else ''} | {fmt(r.get('peak_mem_mb'), ',.0f')} | "
-            f"{fmt(r.get('data_wait_frac'), '.1%')} | {r['status']} |"
-        )
-    hand = next((r for r in rows if r["row"] == "handwritten" and "img_per_s" in r), None)
-    if fast and hand:
+    lines = []
+    for section in dict.fromkeys(r["section"] for r in rows):
+        members = [r for r in rows if r["section"] == section]
+        reference = members[0].get("img_per_s")
+        lines += [
+            f"**{section}**",
+            "",
+            "| row | settings | runs | images/s (median) | spread (min-max) | speed-up | peak mem (MB) "
+            "| data wait |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for r in members:
+            rate = r.get("img_per_s")
+            speedup = rate / reference if rate and reference else None
+            spread = f"{r['min_img_per_s']:,.0f}-{r['max_img_per_s']:,.0f}" if rate and r["runs"] > 1 else ""
+            status = "" if r["status"] == "completed" else f" ({r['status']})"
+            lines.append(
+                f"| {r['row']}{status} | {r['settings']} | {r['runs']} | {fmt(rate, ',.0f')} | {spread} | "
+                f"{fmt(speedup, '.2f')}{'x' if speedup else ''} | {fmt(r.get('peak_mem_mb'), ',.0f')} | "
+                f"{fmt(r.get('data_wait_frac'), '.1%')} |"
+            )
+        pairs = [(r, p) for r in members for p in members if r["row"].endswith(": trainer")
+                 and p["row"] == r["row"].replace(": trainer", ": hand-written")]  # fmt: skip
+        for ours, peer in pairs:
+            if ours.get("img_per_s") and peer.get("img_per_s"):
+                lines.append(
+                    f"\n{ours['row'].split(':')[0]}: trainer / hand-written = "
+                    f"{ours['img_per_s'] / peer['img_per_s']:.2f}x"
+                )
         lines.append("")
-        lines.append(
-            f"framework overhead at perf=fast settings: trainer {fast['img_per_s']:,.0f} img/s vs "
-            f"hand-written {hand['img_per_s']:,.0f} img/s = {fast['img_per_s'] / hand['img_per_s']:.3f}x"
-        )
     return "\n".join(lines)
 
 
@@ -158,16 +245,14 @@ def numeric(row: dict) -> dict:
         except ValueError:
             return value or None
 
-    return {
-        key: convert(value) if key not in ("row", "overrides", "status") else value
-        for key, value in row.items()
-    }
+    text = ("section", "row", "settings", "status")
+    return {key: convert(value) if key not in text else value for key, value in row.items()}
 
 
 def write_tables(out: Path, header: str, rows: list[dict]) -> None:
     (out / "bench.md").write_text(f"{header}\n\n{table(rows)}\n")
     with open(out / "bench.csv", "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=sorted({key for r in rows for key in r}))
+        writer = csv.DictWriter(handle, fieldnames=list(dict.fromkeys(key for r in rows for key in r)))
         writer.writeheader()
         writer.writerows(rows)
 
@@ -184,63 +269,52 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", default="resnet18", choices=["resnet18", "cnn"])
-    parser.add_argument("--epochs", type=int, default=4, help="per row; the first is warm-up")
-    parser.add_argument("--rows", default="all", help="comma-separated row names (see --list)")
+    parser.add_argument("--data-root", default=None, help="class folders (train/, test/); default synthetic")
+    parser.add_argument("--sections", default="peers,default", help=f"comma-separated: {', '.join(SECTIONS)}")
+    parser.add_argument("--rows", default=None, help="only rows whose name contains one of these (a,b,...)")
+    parser.add_argument("--epochs", type=int, default=3, help="per run; the first is warm-up")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per row")
     parser.add_argument("--out", type=Path, default=None, help="folder for runs, logs and tables")
-    parser.add_argument(
-        "--row",
-        action="append",
-        default=[],
-        metavar="NAME:OVERRIDES",
-        help="an extra row, e.g. 'fast+autotune:perf=fast compile_mode=max_autotune'",
-    )
-    parser.add_argument("--row-timeout", type=float, default=240, help="seconds before a row is stopped")
-    parser.add_argument("--list", action="store_true", help="print the row names and exit")
-    parser.add_argument(
-        "--merge",
-        nargs="+",
-        type=Path,
-        metavar="BENCH_CSV",
-        help="re-render the tables of earlier runs (split across machines calls) as one",
-    )
+    parser.add_argument("--row-timeout", type=float, default=300, help="seconds before a run is stopped")
+    parser.add_argument("--list", action="store_true", help="print the sections and rows, then exit")
+    parser.add_argument("--merge", nargs="+", type=Path, metavar="BENCH_CSV", help="re-render earlier tables")
     args = parser.parse_args(argv)
     if args.merge:
         rows = [numeric(row) for path in args.merge for row in csv.DictReader(path.read_text().splitlines())]
         print(table(rows))
         return 0
-    for extra in args.row:
-        name, _, overrides = extra.partition(":")
-        ROWS[name] = overrides.split()
     if args.list:
-        print(
-            "\n".join(
-                f"{name}: {' '.join(o) if o is not None else '(hand-written)'}" for name, o in ROWS.items()
-            )
-        )
+        for section, rows in SECTIONS.items():
+            print(section)
+            print("\n".join(f"  {row.name}: {row.describe()}" for row in rows))
         return 0
-    names = list(ROWS) if args.rows == "all" else [name for name in args.rows.split(",") if name]
-    names += [extra.partition(":")[0] for extra in args.row]
-    unknown = [name for name in names if name not in ROWS]
+    sections = [name for name in args.sections.split(",") if name]
+    unknown = [name for name in sections if name not in SECTIONS]
     if unknown:
-        print(f"bench: unknown rows {unknown}; see --list", file=sys.stderr)
+        print(f"bench: unknown sections {unknown}; choose from {', '.join(SECTIONS)}", file=sys.stderr)
         return 2
     if args.epochs < 2:
         print("bench: --epochs must be at least 2 (the first is warm-up)", file=sys.stderr)
         return 2
+    data = SYNTHETIC
+    if args.data_root:
+        data = ["data=imagefolder", f"data.root={args.data_root}", "data.decode_cache=true"]
     out = args.out or REPO / "outputs" / "bench" / f"{datetime.now():%Y-%m-%d_%H-%M-%S}-{args.model}"
     out.mkdir(parents=True, exist_ok=True)
+    source = args.data_root or "synthetic CIFAR-shaped images (50,000)"
     header = (
-        f"{args.model}, {environment()}, {args.epochs} epochs per row (median of the last {args.epochs - 1})"
+        f"{args.model} on {source}, {environment()}; {args.epochs} epochs per run "
+        f"(median of the last {args.epochs - 1}), {args.repeats} run(s) per row"
     )
     print(header, flush=True)
+    wanted = [part for part in (args.rows or "").split(",") if part]
     rows = []
-    for name in names:
-        rows.append(run_row(name, ROWS[name], args.model, args.epochs, out, args.row_timeout))
-        r = rows[-1]
-        print(
-            f"  {name}: {fmt(r.get('img_per_s'), ',.0f')} img/s ({r['status']}, {r['wall_s']} s)", flush=True
-        )
-        write_tables(out, header, rows)  # after every row: a stopped bench keeps what it measured
+    for section in sections:
+        for row in SECTIONS[section]:
+            if wanted and not any(part in row.name for part in wanted):
+                continue
+            rows.append(run_row(section, row, args, data, out))
+            write_tables(out, header, rows)
     print("\n" + (out / "bench.md").read_text())
     return 0 if all(r["status"] == "completed" for r in rows) else 1
 

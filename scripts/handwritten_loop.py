@@ -1,84 +1,181 @@
-"""A minimal hand-written training loop with `perf=fast`'s settings, for scripts/bench.py.
+"""Hand-written training loops: the yardsticks that scripts/bench.py prints beside the trainer.
 
-No config, no logging, no checks: the yardstick for the framework's own overhead. Same data
-(CIFAR-shaped synthetic, 50,000 images), same model, same optimizer and schedule as the
-trainer; GPU-resident uint8 data with per-image random crop + flip done on the device,
-bf16 autocast, channels_last, torch.compile, fused SGD, zero_grad(set_to_none=True),
-no conv bias before BatchNorm.
+No config system, no logging, no checks. Two loaders, the two paths the trainer offers:
 
-    python scripts/handwritten_loop.py --model resnet18 --epochs 4 --out /tmp/hand
+  --loader classic  the classic torchvision recipe: a PIL image per sample from the in-memory
+                    uint8 array (as torchvision's CIFAR10 serves it), RandomCrop(32, padding=4),
+                    RandomHorizontalFlip, ToTensor, Normalize, DataLoader(shuffle, drop_last,
+                    persistent_workers), optional pinned memory, non-blocking copies, AMP with
+                    a GradScaler for fp16, channels_last, cuDNN autotuning
+  --loader gpu      perf=fast by hand: uint8 data on the GPU, per-image crop + flip there,
+                    bf16 autocast, channels_last, CUDA-graph torch.compile, fused SGD,
+                    zero_grad(set_to_none=True), no conv bias before BatchNorm
+
+Both: ResNet-18 (CIFAR stem) or the cnn, SGD (lr 0.05, momentum 0.9, Nesterov, weight decay
+5e-4) with OneCycle (20% warm-up), as the trainer's defaults.
+
+    python scripts/handwritten_loop.py --loader classic --workers 2 --epochs 3 --out /tmp/hand
+    python scripts/handwritten_loop.py --loader classic --loader-only --workers 2   # CPU: no model
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+import torchvision.transforms as T
+from PIL import Image
+from torch.utils.data import DataLoader, Dataset
 
-from trainer.config import ModelConfig, ModelName
-from trainer.data import CIFAR10_MEAN, CIFAR10_STD, SyntheticImages
+from trainer.config import DataConfig, DataSource, ModelConfig, ModelName
+from trainer.data import CIFAR10_MEAN, CIFAR10_STD, load_source, synthetic_split
 from trainer.models import build_model
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", default="resnet18")
-    parser.add_argument("--epochs", type=int, default=4)
-    parser.add_argument("--batch-size", type=int, default=512)
-    parser.add_argument("--compile-mode", default="reduce-overhead")
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
+class ClassicCifar(Dataset):
+    """HWC uint8 images served as PIL images through a transform, as torchvision's CIFAR10."""
 
-    torch.manual_seed(0)
-    torch.backends.cudnn.benchmark = True
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    device = torch.device("cuda")
-    data = SyntheticImages(50_000, train=True, seed=0)
-    images = F.pad(data.images.to(device), (4, 4, 4, 4))
-    labels = data.labels.to(device)
+    def __init__(self, images: np.ndarray, labels: np.ndarray, transform):
+        self.images, self.labels, self.transform = images, labels, transform
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int):
+        return self.transform(Image.fromarray(self.images[index])), int(self.labels[index])
+
+
+def training_images(data_root: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, 3, 32, 32) uint8 images and labels: class folders under data_root/train (read with
+    the trainer's decoder and its cache, outside the timed loop), or the synthetic set."""
+    if data_root is None:
+        split = synthetic_split(50_000, train=True, seed=0)
+    else:
+        cfg = DataConfig(source=DataSource.imagefolder, root=data_root, decode_cache=True)
+        split = load_source(cfg, seed=0, processes=len(os.sched_getaffinity(0))).train
+    return split.images, split.labels
+
+
+def classic_loader(images: torch.Tensor, labels: torch.Tensor, args) -> DataLoader:
+    transform = T.Compose(
+        [
+            T.RandomCrop(32, padding=4),
+            T.RandomHorizontalFlip(),
+            T.ToTensor(),
+            T.Normalize(CIFAR10_MEAN, CIFAR10_STD),
+        ]
+    )
+    dataset = ClassicCifar(images.permute(0, 2, 3, 1).numpy(), labels.numpy(), transform)
+    return DataLoader(
+        dataset,
+        batch_size=args.batch_size,
+        shuffle=True,
+        drop_last=True,
+        num_workers=args.workers,
+        pin_memory=args.pin_memory,
+        persistent_workers=args.workers > 0,
+    )
+
+
+def gpu_batches(images: torch.Tensor, labels: torch.Tensor, batch_size: int, device: torch.device):
+    """One epoch of augmented, normalized batches from uint8 images already on the device."""
+    arange = torch.arange(32, device=device)
+    channels = torch.arange(3, device=device)[None, :, None, None]
     mean = torch.tensor(CIFAR10_MEAN, device=device).view(1, 3, 1, 1) * 255
     std = torch.tensor(CIFAR10_STD, device=device).view(1, 3, 1, 1) * 255
+    order = torch.randperm(len(labels), device=device)
+    for step in range(len(labels) // batch_size):
+        index = order[step * batch_size : (step + 1) * batch_size]
+        top = torch.randint(0, 9, (len(index), 1), device=device)
+        left = torch.randint(0, 9, (len(index), 1), device=device)
+        flip = torch.rand(len(index), 1, device=device) < 0.5
+        rows = (top + arange)[:, None, :, None]
+        cols = (left + torch.where(flip, arange.flip(0), arange))[:, None, None, :]
+        batch = images[index[:, None, None, None], channels, rows, cols]
+        yield ((batch.float() - mean) / std).contiguous(memory_format=torch.channels_last), labels[index]
 
-    model = build_model(ModelConfig(name=ModelName(args.model), conv_bias=False), 10).to(
-        device, memory_format=torch.channels_last
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    step_model = torch.compile(model, mode=args.compile_mode)
+    parser.add_argument("--loader", default="gpu", choices=["gpu", "classic"])
+    parser.add_argument("--model", default="resnet18")
+    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--batch-size", type=int, default=None, help="default: 512 (gpu), 128 (classic)")
+    parser.add_argument("--data-root", default=None, help="class folders (train/, test/); default synthetic")
+    parser.add_argument("--out", type=Path, default=None, help="folder for metrics.json")
+    classic = parser.add_argument_group("classic loader")
+    classic.add_argument("--workers", type=int, default=2)
+    classic.add_argument("--pin-memory", action="store_true", help="also non-blocking copies")
+    classic.add_argument("--amp", default="none", choices=["none", "bf16", "fp16"])
+    classic.add_argument("--channels-last", action="store_true")
+    classic.add_argument("--set-to-none", action="store_true")
+    classic.add_argument("--cudnn-benchmark", action="store_true")
+    classic.add_argument("--loader-only", action="store_true", help="iterate the loader, no model")
+    parser.add_argument("--compile-mode", default="reduce-overhead", help="gpu loader")
+    args = parser.parse_args()
+    gpu_path = args.loader == "gpu"
+    args.batch_size = args.batch_size or (512 if gpu_path else 128)
+
+    torch.manual_seed(0)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    images, labels = training_images(args.data_root)
     steps_per_epoch = len(labels) // args.batch_size
+    if gpu_path:
+        torch.backends.cudnn.benchmark = True
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+        images, labels = F.pad(images.to(device), (4, 4, 4, 4)), labels.to(device)
+        amp_dtype, channels_last, set_to_none, non_blocking = torch.bfloat16, True, True, False
+    else:
+        torch.backends.cudnn.benchmark = args.cudnn_benchmark
+        loader = classic_loader(images, labels, args)
+        amp_dtype = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.amp]
+        channels_last, set_to_none, non_blocking = args.channels_last, args.set_to_none, args.pin_memory
+
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    model = build_model(ModelConfig(name=ModelName(args.model), conv_bias=not gpu_path), 10)
+    model = model.to(device, memory_format=fmt)
+    step_model = torch.compile(model, mode=args.compile_mode) if gpu_path else model
     optimizer = torch.optim.SGD(
-        model.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=5e-4, fused=True
+        model.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=5e-4, fused=gpu_path or None
     )
     scheduler = torch.optim.lr_scheduler.OneCycleLR(
         optimizer, 0.05, total_steps=args.epochs * steps_per_epoch, pct_start=0.2
     )
-    arange = torch.arange(32, device=device)
+    scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
 
+    def autocast():
+        if amp_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device.type, dtype=amp_dtype)
+
+    synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     history = []
     for epoch in range(args.epochs):
-        torch.cuda.synchronize()
+        synchronize()
         started = time.perf_counter()
-        order = torch.randperm(len(labels), device=device)
-        for step in range(steps_per_epoch):
-            index = order[step * args.batch_size : (step + 1) * args.batch_size]
-            top = torch.randint(0, 9, (len(index), 1), device=device)
-            left = torch.randint(0, 9, (len(index), 1), device=device)
-            flip = torch.rand(len(index), 1, device=device) < 0.5
-            rows = (top + arange)[:, None, :, None]
-            cols = (left + torch.where(flip, arange.flip(0), arange))[:, None, None, :]
-            batch = images[
-                index[:, None, None, None], torch.arange(3, device=device)[None, :, None, None], rows, cols
-            ]
-            batch = ((batch.float() - mean) / std).contiguous(memory_format=torch.channels_last)
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = F.cross_entropy(step_model(batch), labels[index])
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+        batches = gpu_batches(images, labels, args.batch_size, device) if gpu_path else loader
+        for batch, target in batches:
+            if args.loader_only:
+                continue
+            batch = batch.to(device, non_blocking=non_blocking, memory_format=fmt)
+            target = target.to(device, non_blocking=non_blocking)
+            with autocast():
+                loss = F.cross_entropy(step_model(batch), target)
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=set_to_none)
             scheduler.step()
-        torch.cuda.synchronize()
+        synchronize()
         seconds = time.perf_counter() - started
         history.append(
             {
@@ -88,20 +185,16 @@ def main() -> None:
                 "data_wait_frac": None,
             }
         )
-        print(f"epoch {epoch + 1}: {history[-1]['img_per_s']:,.0f} img/s, loss {loss.item():.3f}", flush=True)
+        print(f"epoch {epoch + 1}: {history[-1]['img_per_s']:,.0f} img/s", flush=True)
 
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "metrics.json").write_text(
-        json.dumps(
-            {
-                "status": "completed",
-                "history": history,
-                "test_acc": None,
-                "peak_mem_mb": torch.cuda.max_memory_allocated() / 2**20,
-            },
-            indent=2,
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None
+        (args.out / "metrics.json").write_text(
+            json.dumps(
+                {"status": "completed", "history": history, "test_acc": None, "peak_mem_mb": peak}, indent=2
+            )
         )
-    )
 
 
 if __name__ == "__main__":

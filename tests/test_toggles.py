@@ -10,7 +10,7 @@ from conftest import compose_config
 from torch import nn
 
 from trainer import Trainer
-from trainer.data import GpuLoader, crop_and_flip
+from trainer.data import GpuLoader, ImageSplit, Splits, crop_and_flip, gpu_loaders, torch_loaders
 from trainer.models import CheckpointedStage, build_model
 from trainer.perf import Moved
 
@@ -223,21 +223,23 @@ def coordinate_images(count: int) -> torch.Tensor:
     return images.to(torch.uint8)
 
 
-def test_gpu_loader_augmentation_statistics_on_the_cpu_tensor_path():
+def coordinate_loaders(count: int, batch_size: int, **kwargs) -> dict:
+    """Both loaders over the same coordinate images (uint8 batches, not yet normalized)."""
+    images = coordinate_images(count)
+    splits = Splits(ImageSplit(torch.arange(count), images), ImageSplit(torch.arange(count), images), [])
+    common = dict(augment=True, batch_size=batch_size, seed=0, rank=0, world_size=1)
+    train_gpu, _ = gpu_loaders(splits, device=torch.device("cpu"), **common)
+    train_torch, _ = torch_loaders(splits, loader_kwargs=kwargs, **common)
+    return {"gpu": train_gpu, "torch": train_torch}
+
+
+@pytest.mark.parametrize("kind", ["gpu", "torch"])
+def test_loader_augmentation_statistics(kind):
     count = 2000
-    loader = GpuLoader(
-        coordinate_images(count),
-        torch.arange(count),
-        batch_size=250,
-        train=True,
-        augment=True,
-        seed=0,
-        mean=(0, 0, 0),
-        std=(1, 1, 1),
-    )
+    loader = coordinate_loaders(count, 250)[kind]
     shifts, flips, seen = [], [], []
     for images, labels in loader:
-        pixels = (images * 255).round().long()
+        pixels = images.long()
         assert torch.equal(pixels[:, 2, 16, 16], labels % 256)  # images stay with their labels
         seen.append(labels)
         center_row = pixels[:, 0, :, 16]  # row + 1 of the source, 0 in padding
@@ -251,6 +253,20 @@ def test_gpu_loader_augmentation_statistics_on_the_cpu_tensor_path():
     assert set(shifts.tolist()) == set(range(-4, 5))
     assert 0.45 < flips.float().mean().item() < 0.55
     assert torch.equal(torch.cat(seen).sort().values, torch.arange(count))  # a permutation
+
+
+def test_both_loaders_give_the_same_batches_whatever_the_worker_count():
+    loaders = coordinate_loaders(600, 100, num_workers=2)
+    for epoch in (0, 3):
+        for loader in loaders.values():
+            loader.set_epoch(epoch, skip_batches=1)
+        gpu, torch_path = list(loaders["gpu"]), list(loaders["torch"])
+        assert len(gpu) == len(torch_path) == 5
+        for (gpu_images, gpu_labels), (images, labels) in zip(gpu, torch_path):
+            assert torch.equal(gpu_images, images) and torch.equal(gpu_labels, labels)
+    in_process = coordinate_loaders(600, 100)["torch"]
+    in_process.set_epoch(3, skip_batches=1)
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(in_process, torch_path))
 
 
 def test_crop_and_flip_picks_the_window():

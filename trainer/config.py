@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from hydra.errors import CompactHydraException
@@ -36,8 +37,14 @@ class DataSource(Enum):
 
 
 class LoaderKind(Enum):
-    torch = "torch"  # torch.utils.data.DataLoader with torchvision transforms
+    torch = "torch"  # torch.utils.data.DataLoader, whole uint8 batches built in its workers
     gpu = "gpu"  # whole uint8 dataset resident on the device, batched augmentation there
+
+
+class DecodeMode(Enum):
+    auto = "auto"  # once, when the decoded images fit in a quarter of the free memory
+    once = "once"  # decode every image file once, in parallel, and hold the uint8 array in memory
+    every_epoch = "every_epoch"  # decode each file when its batch is built (folders too large for memory)
 
 
 class OptimizerName(Enum):
@@ -88,6 +95,8 @@ class DataConfig:
     test_size: int = 1_000  # synthetic: test images
     augment: bool = True  # random crop 32 with 4-pixel padding + horizontal flip (training only)
     loader: LoaderKind = LoaderKind.torch  # torch DataLoader, or gpu-resident tensors
+    decode: DecodeMode = DecodeMode.auto  # imagefolder: when image files are decoded
+    decode_cache: bool = False  # imagefolder: keep decoded images in <root>/.trainer-cache for the next run
     prefetch: bool = False  # CUDA: copy the next batch on a side stream while this one computes
 
 
@@ -125,7 +134,9 @@ class TrainConfig:
     amp_dtype: AmpDtype = AmpDtype.auto
     grad_accum_steps: int = 1  # micro-batches of batch_size per optimizer step
     set_to_none: bool = False  # zero_grad(set_to_none=True): drop grads instead of zeroing
-    num_workers: int = 0  # DataLoader worker processes
+    # DataLoader worker processes; auto: 4 per GPU, capped by the cores per process less one
+    # (0 on a CPU device, where the training step uses every core)
+    num_workers: Any = "auto"
     pin_memory: bool = False  # page-locked host batches (CUDA only)
     persistent_workers: bool = False  # keep workers alive between epochs (num_workers > 0)
     prefetch_factor: int | None = None  # batches each worker loads ahead (num_workers > 0)
@@ -152,8 +163,12 @@ class TrainConfig:
                 )
         if self.max_steps is not None and self.max_steps < 1:
             raise ConfigError(f"max_steps must be null or at least 1, got {self.max_steps}")
-        if self.num_workers < 0:
-            raise ConfigError(f"num_workers must be 0 or more, got {self.num_workers}")
+        workers = self.num_workers
+        if workers != "auto" and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 0):
+            raise ConfigError(
+                f"num_workers must be auto or a whole number >= 0, got {self.num_workers!r}: "
+                "set num_workers=auto or num_workers=4"
+            )
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got '{self.device}'")
         if self.num_workers == 0 and (self.persistent_workers or self.prefetch_factor is not None):
@@ -167,8 +182,12 @@ class TrainConfig:
             raise ConfigError(f"devices must be null or at least 1, got {self.devices}")
         if self.data.source is not DataSource.synthetic and not self.data.root:
             raise ConfigError(f"data={self.data.source.value} needs a folder: set data.root=/path/to/data")
-        if self.data.loader is LoaderKind.gpu and self.num_workers > 0:
-            raise ConfigError("data.loader=gpu uses no worker processes: set num_workers=0")
+        if self.data.loader is LoaderKind.gpu and self.num_workers not in (0, "auto"):
+            raise ConfigError("data.loader=gpu uses no worker processes: set num_workers=0 (or auto)")
+        if self.data.loader is LoaderKind.gpu and self.data.decode is DecodeMode.every_epoch:
+            raise ConfigError(
+                "data.loader=gpu holds the decoded images on the device: set data.decode=once (or auto)"
+            )
         if self.data.source is DataSource.synthetic and min(self.data.train_size, self.data.test_size) < 1:
             raise ConfigError("data.train_size and data.test_size must be at least 1")
         if not 0.0 <= self.optim.label_smoothing < 1.0:

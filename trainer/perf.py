@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
@@ -17,6 +18,7 @@ import torch
 from torch import nn
 
 from trainer.config import AmpDtype, TrainConfig
+from trainer.data import Normalizer
 
 log = logging.getLogger(__name__)
 
@@ -85,28 +87,47 @@ def memory_format(cfg: TrainConfig) -> torch.memory_format:
     return torch.channels_last if cfg.channels_last else torch.contiguous_format
 
 
-def dataloader_kwargs(cfg: TrainConfig, device: torch.device) -> dict:
+def worker_count(cfg: TrainConfig, device: torch.device, processes_per_host: int) -> int:
+    """num_workers, with auto resolved: 4 per GPU (enough to feed one at CIFAR sizes), capped
+    by the cores each training process has less one for itself; 0 on a CPU device, whose
+    training step already uses every core."""
+    if cfg.num_workers != "auto":
+        return cfg.num_workers
+    if device.type != "cuda":
+        return 0
+    cores_per_process = len(os.sched_getaffinity(0)) // max(processes_per_host, 1)
+    return max(0, min(4, cores_per_process - 1))
+
+
+def dataloader_kwargs(cfg: TrainConfig, device: torch.device, processes_per_host: int = 1) -> dict:
     pin = cfg.pin_memory and device.type == "cuda"
     if cfg.pin_memory and not pin:
         cannot_act("pin_memory=true", f"page-locked memory speeds copies to CUDA, device is {device}")
-    kwargs = {"num_workers": cfg.num_workers, "pin_memory": pin}
-    if cfg.num_workers > 0:
+    workers = worker_count(cfg, device, processes_per_host)
+    if cfg.num_workers == "auto":
+        log.info("num_workers=auto: %d worker processes", workers)
+    kwargs = {"num_workers": workers, "pin_memory": pin}
+    if workers > 0:
         kwargs["persistent_workers"] = cfg.persistent_workers
         kwargs["prefetch_factor"] = cfg.prefetch_factor
+    elif cfg.persistent_workers or cfg.prefetch_factor is not None:
+        cannot_act("persistent_workers / prefetch_factor", "num_workers=auto picked no workers")
     return kwargs
 
 
 def batch_mover(cfg: TrainConfig, device: torch.device) -> Callable[[Batch], Batch]:
-    """Host-to-device copy of a batch, in the model's memory format."""
+    """Host-to-device copy of a uint8 batch in the model's memory format, then conversion to
+    normalized float there."""
     non_blocking = cfg.non_blocking and device.type == "cuda"
     if cfg.non_blocking and not non_blocking:
         cannot_act("non_blocking=true", f"copies to {device} are synchronous")
     fmt = memory_format(cfg)
+    normalize = Normalizer(device)
 
     def move(batch: Batch) -> Batch:
         images, labels = batch
         return (
-            images.to(device, non_blocking=non_blocking, memory_format=fmt),
+            normalize(images.to(device, non_blocking=non_blocking, memory_format=fmt)),
             labels.to(device, non_blocking=non_blocking),
         )
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import random
 import signal
 import time
@@ -171,22 +172,24 @@ class Trainer:
         perf.apply_backend_flags(cfg, device)
         resume = checkpoint.load_checkpoint(cfg.resume) if cfg.resume else None
 
-        splits = load_source(cfg.data, cfg.seed)
+        processes_per_host = int(os.environ.get("LOCAL_WORLD_SIZE", ranks.world_size))
+        decoders = max(1, len(os.sched_getaffinity(0)) // processes_per_host)
+        splits = load_source(cfg.data, cfg.seed, processes=decoders)
         if cfg.data.loader is LoaderKind.gpu:
             if device.type != "cuda":
                 perf.cannot_act("data.loader=gpu", f"device is {device}: the dataset stays in host memory")
             train, test = gpu_loaders(
-                splits, cfg.data, cfg.batch_size, cfg.seed, ranks.rank, ranks.world_size, device
+                splits, cfg.data.augment, cfg.batch_size, cfg.seed, ranks.rank, ranks.world_size, device
             )
         else:
             train, test = torch_loaders(
                 splits,
-                cfg.data,
+                cfg.data.augment,
                 cfg.batch_size,
                 cfg.seed,
                 ranks.rank,
                 ranks.world_size,
-                perf.dataloader_kwargs(cfg, device),
+                perf.dataloader_kwargs(cfg, device, processes_per_host),
             )
         if len(train) == 0:
             raise ConfigError(

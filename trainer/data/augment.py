@@ -1,0 +1,90 @@
+"""Which images a rank sees in an epoch, and how each is augmented: pure functions of
+(seed, epoch, image index), shared by both loaders.
+
+No generator state is carried between calls, so worker count, rank count, the loader kind
+and resume points leave the augmented images unchanged.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+IMAGE_SIZE = 32
+PADDING = 4
+CROP_POSITIONS = 2 * PADDING + 1  # top (and left) offsets 0..8 in the padded image
+CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
+CIFAR10_STD = (0.2470, 0.2435, 0.2616)
+
+_MASK64 = np.uint64(2**64 - 1)
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer: a bijection on uint64 whose output bits look independent."""
+    with np.errstate(over="ignore"):
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return (x ^ (x >> np.uint64(31))) & _MASK64
+
+
+def epoch_key(seed: int, epoch: int) -> np.uint64:
+    return _mix(_mix(np.asarray(seed, dtype=np.uint64)) ^ np.uint64(epoch))
+
+
+def augmentation(seed: int, epoch: int, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(top, left, flip) of each image's random crop and horizontal flip in this epoch."""
+    bits = _mix(epoch_key(seed, epoch) ^ np.asarray(indices, dtype=np.uint64))
+    top = (bits % np.uint64(CROP_POSITIONS)).astype(np.int64)
+    left = ((bits >> np.uint64(16)) % np.uint64(CROP_POSITIONS)).astype(np.int64)
+    flip = ((bits >> np.uint64(32)) & np.uint64(1)).astype(bool)
+    return top, left, flip
+
+
+def epoch_order(count: int, seed: int, epoch: int, rank: int, world_size: int) -> np.ndarray:
+    """This rank's training images for the epoch, in order: one permutation drawn for every
+    rank, cut to a multiple of world_size, rank r taking positions r, r + world_size, ..."""
+    generator = torch.Generator().manual_seed(int(epoch_key(seed, epoch) >> np.uint64(1)))
+    order = torch.randperm(count, generator=generator).numpy()
+    per_rank = count // world_size
+    return order[rank : per_rank * world_size : world_size]
+
+
+def rank_shard(size: int, rank: int, world_size: int) -> np.ndarray:
+    """Every index exactly once across ranks (for evaluation: no padding, no duplicates)."""
+    return np.arange(rank, size, world_size)
+
+
+def pad(images: np.ndarray) -> np.ndarray:
+    """(N, C, H, W) uint8 -> zero-padded by PADDING on each side of H and W."""
+    return np.pad(images, ((0, 0), (0, 0), (PADDING, PADDING), (PADDING, PADDING)))
+
+
+def crop_windows(padded: np.ndarray) -> np.ndarray:
+    """A view of every IMAGE_SIZE window of each padded image: (N, C, 9, 9, 32, 32), no copy."""
+    return np.lib.stride_tricks.sliding_window_view(padded, (IMAGE_SIZE, IMAGE_SIZE), axis=(2, 3))
+
+
+def crop_and_flip_numpy(
+    windows: np.ndarray, index: np.ndarray, top: np.ndarray, left: np.ndarray, flip: np.ndarray
+) -> np.ndarray:
+    """The batch's crops from `crop_windows`, mirrored where `flip`: (B, C, 32, 32) uint8."""
+    channels = np.arange(windows.shape[1])[None, :]
+    batch = windows[index[:, None], channels, top[:, None], left[:, None]]
+    batch[flip] = batch[flip][..., ::-1]
+    return batch
+
+
+def crop_and_flip(
+    padded: torch.Tensor, index: torch.Tensor, top: torch.Tensor, left: torch.Tensor, flip: torch.Tensor
+) -> torch.Tensor:
+    """The same crops on a device tensor, in one gather for the whole batch."""
+    steps = torch.arange(IMAGE_SIZE, device=padded.device)
+    rows = top[:, None] + steps
+    cols = left[:, None] + torch.where(flip[:, None], steps.flip(0), steps)
+    channels = torch.arange(padded.shape[1], device=padded.device)
+    return padded[
+        index[:, None, None, None],
+        channels[None, :, None, None],
+        rows[:, None, :, None],
+        cols[:, None, None, :],
+    ]

@@ -1,0 +1,135 @@
+"""The torch DataLoader path: each worker builds whole uint8 batches.
+
+The sampler hands out one `EpochBatch` (the epoch and the image indices of one batch) at a
+time; the dataset turns it into a (B, 3, 32, 32) uint8 batch and its labels. Images held in
+memory are cropped by indexing a pre-padded array and flipped by reversing a view, for the
+whole batch at once; images decoded per epoch are read file by file. Conversion to float and
+normalization happen on the device, after the copy (4x fewer bytes to pin and move).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import NamedTuple
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from trainer.data.augment import (
+    augmentation,
+    crop_and_flip_numpy,
+    crop_windows,
+    epoch_order,
+    pad,
+    rank_shard,
+)
+from trainer.data.sources import ImageSplit, decode_image
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+class EpochBatch(NamedTuple):
+    epoch: int
+    indices: np.ndarray
+
+
+class EpochBatches(Sampler):
+    """This rank's batches of one epoch, as EpochBatch keys.
+
+    Training: a permutation per epoch shared by every rank, each rank its own interleaved
+    shard, the last partial batch dropped, and `set_epoch(epoch, skip_batches)` for a
+    resumed epoch. Evaluation: every image once across ranks, in order."""
+
+    def __init__(self, count: int, batch_size: int, seed: int, rank: int, world_size: int, train: bool):
+        self.count, self.batch_size, self.seed = count, batch_size, seed
+        self.rank, self.world_size, self.train = rank, world_size, train
+        self.epoch, self.skip = 0, 0
+
+    def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
+        self.epoch, self.skip = epoch, skip_batches
+
+    def order(self) -> np.ndarray:
+        if self.train:
+            return epoch_order(self.count, self.seed, self.epoch, self.rank, self.world_size)
+        return rank_shard(self.count, self.rank, self.world_size)
+
+    def __len__(self) -> int:
+        if self.train:
+            return self.count // self.world_size // self.batch_size - self.skip
+        return -(-len(rank_shard(self.count, self.rank, self.world_size)) // self.batch_size)
+
+    def __iter__(self) -> Iterator[EpochBatch]:
+        order = self.order()
+        first = self.skip if self.train else 0
+        for batch in range(first, first + len(self)):
+            yield EpochBatch(self.epoch, order[batch * self.batch_size : (batch + 1) * self.batch_size])
+
+
+class MemoryBatches(Dataset):
+    """Batches cut from uint8 images held in memory."""
+
+    def __init__(self, split: ImageSplit, seed: int, augment: bool):
+        self.labels, self.seed, self.augment = split.labels, seed, augment
+        images = split.images.numpy()
+        self.images = images
+        self.windows = crop_windows(pad(images)) if augment else None
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, key: EpochBatch) -> Batch:
+        epoch, index = key
+        if self.augment:
+            images = crop_and_flip_numpy(self.windows, index, *augmentation(self.seed, epoch, index))
+        else:
+            images = self.images[index]
+        return torch.from_numpy(images), self.labels[index]
+
+
+class FileBatches(Dataset):
+    """Batches decoded file by file, every epoch (folders too large to hold in memory)."""
+
+    def __init__(self, split: ImageSplit, seed: int, augment: bool):
+        self.labels, self.files, self.seed, self.augment = split.labels, split.files, seed, augment
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, key: EpochBatch) -> Batch:
+        epoch, index = key
+        images = np.stack([decode_image(self.files[i]) for i in index])
+        if self.augment:
+            images = crop_and_flip_numpy(
+                crop_windows(pad(images)), np.arange(len(index)), *augmentation(self.seed, epoch, index)
+            )
+        return torch.from_numpy(images), self.labels[index]
+
+
+class EpochLoader(DataLoader):
+    """A DataLoader of whole batches whose sampler is told the epoch (and the batches to skip)."""
+
+    def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
+        self.sampler.set_epoch(epoch, skip_batches)
+
+
+def batches_of(split: ImageSplit, seed: int, augment: bool) -> Dataset:
+    kind = MemoryBatches if split.images is not None else FileBatches
+    return kind(split, seed, augment)
+
+
+def torch_loaders(
+    splits,
+    augment: bool,
+    batch_size: int,
+    seed: int,
+    rank: int,
+    world_size: int,
+    loader_kwargs: dict,
+) -> tuple[EpochLoader, EpochLoader]:
+    loaders = []
+    for split, train in ((splits.train, True), (splits.test, False)):
+        sampler = EpochBatches(len(split), batch_size, seed, rank, world_size, train)
+        dataset = batches_of(split, seed, augment and train)
+        loaders.append(EpochLoader(dataset, batch_size=None, sampler=sampler, **loader_kwargs))
+    return loaders[0], loaders[1]
