@@ -42,9 +42,7 @@ def test_every_total_step_count_works_with_every_schedule(schedule):
             assert all(math.isfinite(rate) and 0 < rate <= PEAK_LR for rate in rates), rates
 
 
-@pytest.mark.parametrize(
-    ("warmup_frac", "total_steps"), [(0.2, 5), (0.5, 2), (0.1, 10), (0.25, 4)], ids=str
-)
+@pytest.mark.parametrize(("warmup_frac", "total_steps"), [(0.2, 5), (0.5, 2), (0.1, 10), (0.25, 4)], ids=str)
 def test_a_one_step_warmup_starts_at_the_peak_and_anneals(warmup_frac, total_steps):
     """A warm-up of exactly one step (0.2 of 5 steps: the default on a 5-step run) divided
     by zero inside torch's OneCycleLR."""
