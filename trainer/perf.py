@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import signal
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
@@ -85,6 +86,14 @@ def memory_format(cfg: TrainConfig) -> torch.memory_format:
     return torch.channels_last if cfg.channels_last else torch.contiguous_format
 
 
+def leave_stops_to_the_main_process(_worker_id: int) -> None:
+    """In each DataLoader worker. Ctrl-C and `kill -TERM -- -<pgid>` (terminals, job schedulers)
+    reach every process of the group; a worker that dies of them fails the run. The main process
+    stops at the next step, saves, and ends its workers itself."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def dataloader_kwargs(cfg: TrainConfig, device: torch.device) -> dict:
     pin = cfg.pin_memory and device.type == "cuda"
     if cfg.pin_memory and not pin:
@@ -93,6 +102,7 @@ def dataloader_kwargs(cfg: TrainConfig, device: torch.device) -> dict:
     if cfg.num_workers > 0:
         kwargs["persistent_workers"] = cfg.persistent_workers
         kwargs["prefetch_factor"] = cfg.prefetch_factor
+        kwargs["worker_init_fn"] = leave_stops_to_the_main_process
     return kwargs
 
 
