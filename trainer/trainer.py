@@ -199,6 +199,7 @@ class Trainer:
         self.test_batches = perf.device_batches(cfg, test, device)
         self.images_per_micro_batch = cfg.batch_size * ranks.world_size
 
+        self.classes = splits.classes
         self.raw_model = build_model(cfg.model, num_classes=len(splits.classes))
         wrap_ddp = None
         if ranks.world_size > 1:
@@ -228,6 +229,8 @@ class Trainer:
         if resume is not None:
             self._restore(*resume)
         # Files appear only once everything above has worked.
+        if ranks.is_main:
+            checkpoint.remove_partial_write(self.run_dir / checkpoint.CHECKPOINT)
         self.run_log = RunLog(self.run_dir) if ranks.is_main else SilentRunLog(self.run_dir)
         self.profiler = perf.Profiler(cfg.profile and ranks.is_main, str(self.run_dir / "profile"))
         log.info(
@@ -247,6 +250,7 @@ class Trainer:
 
     def _train(self) -> None:
         cfg = self.cfg
+        epochs_run = 0
         while (
             self.progress.epoch < cfg.epochs
             and self.progress.step < self.total_steps
@@ -265,6 +269,7 @@ class Trainer:
             self._report_epoch(record)
             self._save_checkpoint()
             self.run_log.metrics(self.summary())
+            epochs_run += 1
         if self.stop_signal:
             self.status = "interrupted"
             self._save_checkpoint()
@@ -276,6 +281,9 @@ class Trainer:
             )
         else:
             self.status = "completed"
+            if epochs_run == 0:  # resumed from a finished run: this run's folder still gets its checkpoint
+                log.info("resume=%s had already finished: nothing left to train", cfg.resume)
+                self._save_checkpoint()
 
     def _report_epoch(self, record: dict) -> None:
         """TensorBoard scalars, one log line, and the input-pipeline hint when data is slow."""
@@ -456,11 +464,14 @@ class Trainer:
                 total_steps=self.total_steps,
                 epoch=self.progress.epoch,  # also in progress; here for a reader of the file
                 step=self.progress.step,
+                classes=self.classes,
             )
 
     def _restore(self, path: Path, state: dict) -> None:
-        checkpoint.check_compatible(state, self.cfg, self.total_steps)
-        checkpoint.restore(state, self._stateful())
+        checkpoint.check_compatible(
+            state, self.config, self.total_steps, self.raw_model.state_dict(), self.classes
+        )
+        checkpoint.restore(self.cfg.resume, state, self._stateful())
         self.resumed_from = str(path)
         log.info(
             "resumed from %s at epoch %d, step %d", self.resumed_from, self.progress.epoch, self.progress.step
