@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 from conftest import SMALL, compose_config, read_metrics, run_cli, run_folders
 
+from trainer import Trainer
 from trainer.config import ConfigError, to_train_config
+from trainer.trainer import NonFiniteLoss
 
 # case id -> (overrides after SMALL, fragments the one error line must hold)
 CONFIG_ERRORS = {
@@ -129,13 +131,20 @@ def test_non_finite_loss_names_the_step_and_a_lower_learning_rate(outcomes):
     assert "training loss became " in line
     # Step 1's loss is computed before its update, so step 2 is the first non-finite one.
     assert "at optimizer step 2 (epoch 1)" in line
-    assert "lower optim.lr (now 1e+30)" in line
+    assert line.endswith("lower optim.lr (now 1e+30)")  # amp is off: nothing to say about it
     [run] = run_folders(cwd / "outputs")
     metrics = read_metrics(run)
     assert metrics["status"] == "failed"
     assert metrics["steps"] == 2
     assert metrics["error"] in line
     assert checkpoints_under(cwd / "outputs") == []
+
+
+def test_non_finite_loss_under_amp_also_suggests_turning_amp_off(tmp_path):
+    with pytest.raises(NonFiniteLoss) as caught:  # amp on the CPU is bf16
+        Trainer(compose_config("optim.lr=1e30", "amp=true"), tmp_path / "run").fit()
+
+    assert str(caught.value).endswith("lower optim.lr (now 1e+30), or set amp=false")
 
 
 # overrides -> what to_train_config says about them

@@ -67,6 +67,16 @@ def autocast_context(
     return functools.partial(torch.autocast, device_type=device.type, dtype=dtype)
 
 
+def non_finite_remedy(cfg: TrainConfig, device: torch.device) -> str:
+    """What else to try, after a lower learning rate, when the loss stops being finite."""
+    dtype = amp_dtype(cfg, device)
+    if dtype is None:
+        return ""
+    if dtype == torch.float16:
+        return ", or use amp_dtype=bf16 / amp=false"
+    return ", or set amp=false"
+
+
 def grad_scaler(cfg: TrainConfig, device: torch.device) -> torch.amp.GradScaler:
     """Loss scaling only for fp16 on CUDA; a disabled scaler passes everything through."""
     enabled = amp_dtype(cfg, device) == torch.float16 and device.type == "cuda"

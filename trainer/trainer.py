@@ -220,6 +220,7 @@ class Trainer:
         self.scheduler = build_scheduler(cfg.optim, self.optimizer, self.total_steps)
         self.loss_fn = nn.CrossEntropyLoss(label_smoothing=cfg.optim.label_smoothing)
         self.autocast = perf.autocast_context(cfg, device)
+        self.non_finite_remedy = perf.non_finite_remedy(cfg, device)
         self.scaler = perf.grad_scaler(cfg, device)
         self.zero_grad = perf.zero_grad(cfg, self.optimizer)
         self.synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -400,7 +401,7 @@ class Trainer:
             epoch = self.progress.epoch + 1
             raise NonFiniteLoss(
                 f"training loss became {losses[bad]} at optimizer step {step} (epoch {epoch}): "
-                f"lower optim.lr (now {self.cfg.optim.lr}), or use amp_dtype=bf16 / amp=false"
+                f"lower optim.lr (now {self.cfg.optim.lr}){self.non_finite_remedy}"
             )
         mean = sum(losses) / len(losses)
         images_per_s = len(losses) * self.images_per_micro_batch / max(seconds, 1e-9)
