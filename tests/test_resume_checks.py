@@ -8,20 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import compose_config, read_metrics
+from conftest import FINISHED, compose_config, read_metrics
 from PIL import Image
 
 from trainer import Trainer
-from trainer.config import ConfigError
-
-SAVED = ("max_steps=2",)  # the cnn with SGD and OneCycle, on 10 synthetic classes
-
-
-@pytest.fixture(scope="module")
-def saved_run(tmp_path_factory) -> Path:
-    run_dir = tmp_path_factory.mktemp("saved") / "run"
-    Trainer(compose_config(*SAVED), run_dir).fit()
-    return run_dir
+from trainer.config import ConfigError, ModelConfig, ModelName
+from trainer.models import build_model
 
 
 @pytest.fixture(scope="module")
@@ -65,56 +57,62 @@ def refusal(overrides: list[str], run_dir: Path) -> str:
     ],
     ids=["optimizer", "model", "schedule", "class-count"],
 )
-def test_a_resume_that_does_not_fit_says_what_to_set(tmp_path, saved_run, two_classes, overrides, message):
+def test_a_resume_that_does_not_fit_says_what_to_set(tmp_path, finished_run, two_classes, overrides, message):
     overrides = [override.format(two_classes=two_classes) for override in overrides]
 
-    line = refusal([*SAVED, *overrides, f"resume={saved_run}"], tmp_path / "resumed")
+    line = refusal([*FINISHED, *overrides, f"resume={finished_run}"], tmp_path / "resumed")
 
-    assert line.startswith(f"resume={saved_run} ")
+    assert line.startswith(f"resume={finished_run} ")
     assert message in line
 
 
-def test_resuming_without_conv_biases_from_a_run_with_them_says_to_keep_them(tmp_path):
-    tiny = ["model=resnet18", "data.train_size=8", "data.test_size=8", "batch_size=8"]
-    Trainer(compose_config(*tiny), tmp_path / "saved").fit()
+def test_resuming_without_conv_biases_from_a_run_with_them_says_to_keep_them(tmp_path, finished_run):
+    """A resnet18 checkpoint with conv biases: the finished run's, its model swapped (no
+    resnet18 step is needed to show the refusal, and one costs seconds on a CPU)."""
+    state = torch.load(finished_run / "checkpoints" / "last.pt", weights_only=False)
+    state["model"] = build_model(ModelConfig(name=ModelName.resnet18, conv_bias=True), 10).state_dict()
+    state["config"]["model"].update(name="resnet18", conv_bias=True)
+    with_biases = tmp_path / "with-biases.pt"
+    torch.save(state, with_biases)
 
-    line = refusal([*tiny, "model.conv_bias=false", f"resume={tmp_path / 'saved'}"], tmp_path / "resumed")
+    overrides = [*FINISHED, "model=resnet18", "model.conv_bias=false", f"resume={with_biases}"]
+    line = refusal(overrides, tmp_path / "resumed")
 
     assert "was saved with model.conv_bias=true, a different set of weights: set model.conv_bias=true" in line
 
 
-def test_a_plain_state_dict_is_not_taken_for_a_checkpoint(tmp_path, saved_run):
+def test_a_plain_state_dict_is_not_taken_for_a_checkpoint(tmp_path, finished_run):
     weights = tmp_path / "weights.pt"
-    torch.save(torch.load(saved_run / "checkpoints" / "last.pt", weights_only=False)["model"], weights)
+    torch.save(torch.load(finished_run / "checkpoints" / "last.pt", weights_only=False)["model"], weights)
 
-    line = refusal([*SAVED, f"resume={weights}"], tmp_path / "resumed")
+    line = refusal([*FINISHED, f"resume={weights}"], tmp_path / "resumed")
 
     assert f"resume={weights} is not a checkpoint written by this trainer (no model, optimizer" in line
     assert "give a run folder or its checkpoints/last.pt" in line
 
 
-def test_a_saved_state_that_does_not_load_names_which_and_how_to_resume(tmp_path, saved_run):
-    state = torch.load(saved_run / "checkpoints" / "last.pt", weights_only=False)
+def test_a_saved_state_that_does_not_load_names_which_and_how_to_resume(tmp_path, finished_run):
+    state = torch.load(finished_run / "checkpoints" / "last.pt", weights_only=False)
     state["optimizer"]["param_groups"] = []
     tampered = tmp_path / "tampered.pt"
     torch.save(state, tampered)
 
-    line = refusal([*SAVED, f"resume={tampered}"], tmp_path / "resumed")
+    line = refusal([*FINISHED, f"resume={tampered}"], tmp_path / "resumed")
 
     assert "the saved optimizer state does not fit this run" in line
     assert "resume with the settings it was saved with" in line
 
 
-def test_resuming_a_finished_run_leaves_its_checkpoint_and_removes_a_partial_save(tmp_path, saved_run):
+def test_resuming_a_finished_run_leaves_its_checkpoint_and_removes_a_partial_save(tmp_path, finished_run):
     """A save killed midway (kill -9) leaves last.pt.tmp; the next start or resume removes it."""
-    partial = saved_run / "checkpoints" / "last.pt.tmp"
+    partial = finished_run / "checkpoints" / "last.pt.tmp"
     partial.write_bytes(b"half a checkpoint")
 
-    metrics = Trainer(compose_config(*SAVED, f"resume={saved_run}"), tmp_path / "resumed").fit()
+    metrics = Trainer(compose_config(*FINISHED, f"resume={finished_run}"), tmp_path / "resumed").fit()
 
     assert not partial.exists()
     assert (metrics["status"], metrics["steps"]) == ("completed", 2)
-    assert metrics["history"] == read_metrics(saved_run)["history"]
+    assert metrics["history"] == read_metrics(finished_run)["history"]
     saved = torch.load(tmp_path / "resumed" / "checkpoints" / "last.pt", weights_only=False)
     assert saved["step"] == 2
 

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
 from trainer.config import OptimConfig, OptimizerName, Schedule
+
+log = logging.getLogger(__name__)
 
 # torch's OneCycleLR rises until step `pct_start * total_steps - 1` and divides by the length
 # of that rise: a rise that ends exactly at step 0 (0.2 of 5 steps, 0.5 of 2) is 0 / 0. Ending
@@ -15,6 +19,8 @@ BEFORE_FIRST_STEP = 1e-9
 
 def build_optimizer(cfg: OptimConfig, model: nn.Module, extra: dict) -> torch.optim.Optimizer:
     """`extra` carries perf toggles (fused kernels) decided in perf.py."""
+    if cfg.lr == 0:
+        log.warning("optim.lr=0: the weights will not change; set e.g. optim.lr=0.05 to train")
     params = model.parameters()
     if cfg.name is OptimizerName.adamw:
         return torch.optim.AdamW(
