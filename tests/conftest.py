@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -45,9 +46,15 @@ def cli_environment(env: dict | None = None) -> dict:
 
 
 def run_cli(
-    *args: str, cwd: Path, timeout: float = 240, env: dict | None = None
+    *args: str, cwd: Path, timeout: float = 240, env: dict | None = None, file_size_limit: int | None = None
 ) -> subprocess.CompletedProcess:
-    """`python -m trainer ARGS` in a subprocess (output folders land under cwd/outputs)."""
+    """`python -m trainer ARGS` in a subprocess (output folders land under cwd/outputs); no file
+    it writes may grow past file_size_limit bytes, when given (as with `ulimit -f`)."""
+
+    def limit_file_size() -> None:
+        _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, hard))
+
     return subprocess.run(
         [sys.executable, "-m", "trainer", *args],
         cwd=cwd,
@@ -55,6 +62,7 @@ def run_cli(
         capture_output=True,
         text=True,
         timeout=timeout,
+        preexec_fn=limit_file_size if file_size_limit else None,
     )
 
 
@@ -70,6 +78,19 @@ def run_folders(root: Path) -> list[Path]:
 @pytest.fixture
 def config():
     return compose_config
+
+
+FINISHED = ("max_steps=2",)  # finished_run's overrides after SMALL
+
+
+@pytest.fixture(scope="session")
+def finished_run(tmp_path_factory) -> Path:
+    """The folder of a finished run: the cnn with SGD and OneCycle, 2 steps on 10 synthetic classes."""
+    from trainer import Trainer
+
+    run_dir = tmp_path_factory.mktemp("finished") / "run"
+    Trainer(compose_config(*FINISHED), run_dir).fit()
+    return run_dir
 
 
 needs_subset = pytest.mark.skipif(

@@ -13,9 +13,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from conftest import SMALL, compose_config, read_metrics, run_cli, run_folders
+from conftest import REPO, SMALL, compose_config, read_metrics, run_cli, run_folders
 
+from trainer import Trainer
 from trainer.config import ConfigError, to_train_config
+from trainer.trainer import NonFiniteLoss
 
 # case id -> (overrides after SMALL, fragments the one error line must hold)
 CONFIG_ERRORS = {
@@ -29,13 +31,19 @@ CONFIG_ERRORS = {
         ["resume=/does/not/exist"],
         ["resume=/does/not/exist", "no checkpoint at /does/not/exist", "checkpoints/last.pt"],
     ),
+    "run-folder-under-a-file": (
+        [f"hydra.run.dir={REPO}/README.md/run"],
+        [f"cannot make the run folder {REPO}/README.md/run: {REPO}/README.md is a file", "hydra.run.dir=/a"],
+    ),
 }
 # case id -> overrides after SMALL; {empty} is an empty folder
 RUNTIME_ERRORS = {
     "cifar10-absent": ["data=cifar10", "data.root={empty}", "data.download=false"],
     "imagefolder-absent": ["data=imagefolder", "data.root={empty}"],
     "non-finite-loss": ["optim.lr=1e30"],  # the first step throws the cnn's weights to ~1e30
+    "checkpoint-not-written": [],  # under a file-size limit smaller than the checkpoint
 }
+FILE_SIZE_LIMITS = {"checkpoint-not-written": 1_000_000}  # bytes; the cnn's checkpoint is ~9 MB
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +63,7 @@ def outcomes(tmp_path_factory, empty_folder) -> dict[str, tuple[subprocess.Compl
 
     def run(case: str) -> tuple[subprocess.CompletedProcess, Path]:
         cwd = tmp_path_factory.mktemp(case)
-        return run_cli(*SMALL, *commands[case], cwd=cwd), cwd
+        return run_cli(*SMALL, *commands[case], cwd=cwd, file_size_limit=FILE_SIZE_LIMITS.get(case)), cwd
 
     with ThreadPoolExecutor(max_workers=2) as pool:
         return dict(zip(commands, pool.map(run, commands)))
@@ -70,9 +78,10 @@ def checkpoints_under(folder: Path) -> list[Path]:
 
 
 def the_error_log_line(result: subprocess.CompletedProcess) -> str:
-    """The single ERROR line of Hydra's console log (which goes to stdout)."""
-    lines = [line for line in (result.stdout + result.stderr).splitlines() if "[ERROR]" in line]
+    """The single ERROR line of the console log: on stderr, like every warning and error."""
+    lines = [line for line in result.stderr.splitlines() if "[ERROR]" in line]
     assert len(lines) == 1, result.stdout + result.stderr
+    assert "[ERROR]" not in result.stdout
     return lines[0]
 
 
@@ -129,13 +138,33 @@ def test_non_finite_loss_names_the_step_and_a_lower_learning_rate(outcomes):
     assert "training loss became " in line
     # Step 1's loss is computed before its update, so step 2 is the first non-finite one.
     assert "at optimizer step 2 (epoch 1)" in line
-    assert "lower optim.lr (now 1e+30)" in line
+    assert line.endswith("lower optim.lr (now 1e+30)")  # amp is off: nothing to say about it
     [run] = run_folders(cwd / "outputs")
     metrics = read_metrics(run)
     assert metrics["status"] == "failed"
     assert metrics["steps"] == 2
     assert metrics["error"] in line
     assert checkpoints_under(cwd / "outputs") == []
+
+
+def test_non_finite_loss_under_amp_also_suggests_turning_amp_off(tmp_path):
+    with pytest.raises(NonFiniteLoss) as caught:  # amp on the CPU is bf16
+        Trainer(compose_config("optim.lr=1e30", "amp=true"), tmp_path / "run").fit()
+
+    assert str(caught.value).endswith("lower optim.lr (now 1e+30), or set amp=false")
+
+
+def test_a_checkpoint_that_cannot_be_written_says_why_and_leaves_no_partial_file(outcomes):
+    result, cwd = outcomes["checkpoint-not-written"]
+
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+    [run] = run_folders(cwd / "outputs")
+    line = the_error_log_line(result)
+    assert f"could not write the checkpoint {run / 'checkpoints' / 'last.pt'} (File too large)" in line
+    assert "set hydra.run.dir=" in line
+    assert read_metrics(run)["status"] == "failed"
+    assert [*run.rglob("*.pt"), *run.rglob("*.tmp")] == []
 
 
 # overrides -> what to_train_config says about them

@@ -3,6 +3,7 @@ checkpoints, and a resume that ends bit-for-bit where an uninterrupted run ends.
 
 from __future__ import annotations
 
+import resource
 import signal
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 from conftest import compose_config, read_metrics
 
-from trainer import Trainer
+from trainer import Trainer, checkpoint
 from trainer.config import ConfigError
 
 # 256 synthetic images / batch 32 = 8 optimizer steps per epoch (see conftest.SMALL).
@@ -90,25 +91,33 @@ def test_checkpoint_holds_everything_a_resume_needs_and_no_temporary_file_is_lef
     assert list((tmp_path / "run").rglob("*.tmp")) == []
 
 
-def test_a_save_that_dies_midway_leaves_the_previous_checkpoint_intact(tmp_path, monkeypatch):
-    real_save = torch.save
+def test_a_save_that_fails_keeps_the_previous_checkpoint_and_says_why_in_one_line(tmp_path, monkeypatch):
+    """The second save meets a file-size limit (as it would a full disk): the first checkpoint
+    stays, the partial file goes, and the error names the file and the reason."""
+    real_save = checkpoint.save
     saves = []
 
-    def die_during_second_save(obj, path, *args, **kwargs):
-        saves.append(Path(path))
-        if len(saves) == 2:
-            Path(path).write_bytes(b"half a checkpoint")
-            raise OSError("disk full")
-        real_save(obj, path, *args, **kwargs)
+    def save_under_a_file_size_limit_the_second_time(*args, **kwargs):
+        saves.append(1)
+        if len(saves) < 2:
+            return real_save(*args, **kwargs)
+        soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, hard))
+        try:
+            return real_save(*args, **kwargs)
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
 
-    monkeypatch.setattr(torch, "save", die_during_second_save)
+    monkeypatch.setattr(checkpoint, "save", save_under_a_file_size_limit_the_second_time)
 
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(checkpoint.CheckpointNotWritten) as caught:
         Trainer(compose_config("epochs=2"), tmp_path / "run").fit()
 
-    monkeypatch.undo()
-    assert saves[1] != tmp_path / "run" / "checkpoints" / "last.pt"  # written beside it, then renamed
+    last = tmp_path / "run" / "checkpoints" / "last.pt"
+    assert str(caught.value).startswith(f"could not write the checkpoint {last} (File too large)")
+    assert "\n" not in str(caught.value)
     assert load_checkpoint(tmp_path / "run")["epoch"] == 1
+    assert list((tmp_path / "run").rglob("*.tmp")) == []
     assert read_metrics(tmp_path / "run")["status"] == "failed"
 
 

@@ -24,11 +24,17 @@ log = logging.getLogger("trainer")
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def train(cfg: DictConfig) -> float | None:
     hydra_cfg = HydraConfig.get()
-    trainer = Trainer.for_run(cfg, hydra_cfg.runtime.output_dir, list(hydra_cfg.overrides.task))
+    sweep = hydra_cfg.mode == RunMode.MULTIRUN
+    return run(cfg, hydra_cfg.runtime.output_dir, list(hydra_cfg.overrides.task), sweep)
+
+
+def run(cfg: DictConfig, run_dir: str, overrides: list[str], sweep: bool = False) -> float | None:
+    """One job in its run folder: exit 1 with one error line when it fails, 130 when stopped."""
+    trainer = Trainer.for_run(cfg, run_dir, overrides)
     try:
         metrics = trainer.fit()
     except TrainerError as error:
-        if hydra_cfg.mode == RunMode.MULTIRUN:
+        if sweep:
             raise  # the sweep goes on with the next job and reports this one at the end
         log.error("%s", error)
         sys.exit(1)

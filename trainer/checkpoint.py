@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+import logging
 import os
 import random
 from pathlib import Path
@@ -9,17 +11,52 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from trainer.config import ConfigError, TrainConfig, TrainerError
+from trainer.config import ConfigError, TrainerError
+
+log = logging.getLogger(__name__)
 
 CHECKPOINT = Path("checkpoints") / "last.pt"
+# What every checkpoint this trainer writes holds (besides the optional `classes`).
+CONTENTS = ("model", "optimizer", "scheduler", "scaler", "progress", "rng", "config", "total_steps")
+
+
+class CheckpointNotWritten(TrainerError):
+    pass
+
+
+def temporary_path(path: Path) -> Path:
+    return path.with_name(path.name + ".tmp")
 
 
 def atomic_save(obj: object, path: Path) -> None:
-    """A reader sees the old file or the new one, never half of one."""
+    """A reader sees the old file or the new one, never half of one.
+
+    Serialized in memory first: torch's own file writer reports a full disk or a file-size
+    limit only as "enforce fail at inline_container.cc", a plain write says which it was.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(path.name + ".tmp")
-    torch.save(obj, temporary)
-    os.replace(temporary, path)
+    temporary = temporary_path(path)
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    try:
+        with open(temporary, "wb") as file:
+            file.write(buffer.getbuffer())
+        os.replace(temporary, path)
+    except OSError as error:
+        temporary.unlink(missing_ok=True)
+        raise CheckpointNotWritten(
+            f"could not write the checkpoint {path} ({error.strerror or error}); any earlier {path.name} "
+            f"there is kept: free disk space, raise the file-size limit (ulimit -f), or set "
+            f"hydra.run.dir=/a/folder/with/room"
+        ) from None
+
+
+def remove_partial_write(path: Path) -> None:
+    """A save killed midway (kill -9) leaves its temporary file behind; it never became a checkpoint."""
+    temporary = temporary_path(path)
+    if temporary.is_file():
+        temporary.unlink(missing_ok=True)
+        log.info("removed %s, left by a checkpoint save that was killed midway", temporary)
 
 
 def rng_states() -> dict:
@@ -53,6 +90,7 @@ def resolve_checkpoint(resume: str) -> Path:
 def load_checkpoint(resume: str) -> tuple[Path, dict]:
     """The resolved checkpoint file and what it holds."""
     path = resolve_checkpoint(resume)
+    remove_partial_write(path)
     try:
         return path, torch.load(path, map_location="cpu", weights_only=False)
     except Exception as error:
@@ -66,22 +104,82 @@ def save(path: Path, stateful: dict, **extra) -> None:
     )
 
 
-def restore(state: dict, stateful: dict) -> None:
+def restore(resume: str, state: dict, stateful: dict) -> None:
     for name, obj in stateful.items():
-        obj.load_state_dict(state[name])
+        try:
+            obj.load_state_dict(state[name])
+        except (KeyError, ValueError, RuntimeError) as error:  # torch's messages span lines
+            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise ConfigError(
+                f"resume={resume}: the saved {name} state does not fit this run ({reason}): resume with "
+                "the settings it was saved with (its .hydra/overrides.yaml), or start a new run"
+            ) from None
     restore_rng_states(state["rng"])
 
 
-def check_compatible(state: dict, cfg: TrainConfig, total_steps: int) -> None:
-    """Resuming needs the same model and the same LR schedule length."""
+# Saved settings that decide the shape of what a checkpoint holds, with the override that sets each.
+STATE_SHAPING = {
+    ("model", "name"): "model",
+    ("optim", "name"): "optim",
+    ("optim", "schedule"): "optim.schedule",
+}
+
+
+def check_compatible(
+    state: dict, config: dict, total_steps: int, model_state: dict, classes: list[str]
+) -> None:
+    """Resuming needs a checkpoint of this trainer, of the same model and optimizer, trained on
+    as many classes, with the same LR schedule and schedule length."""
+    resume = config["resume"]
+    missing = [key for key in CONTENTS if key not in state]
+    if missing:
+        raise ConfigError(
+            f"resume={resume} is not a checkpoint written by this trainer (no {', '.join(missing)} in it): "
+            f"give a run folder or its {CHECKPOINT}"
+        )
     saved = state["config"]
-    model = saved["model"]["name"]
-    if model != cfg.model.name.value:
-        raise ConfigError(f"resume={cfg.resume} holds a {model} checkpoint: set model={model}")
+    for (group, key), override in STATE_SHAPING.items():
+        if saved[group][key] != config[group][key]:
+            raise ConfigError(
+                f"resume={resume} was saved with {group}.{key}={saved[group][key]}, this config has "
+                f"{config[group][key]}: set {override}={saved[group][key]}"
+            )
+    saved_classes = state.get("classes")
+    if saved_classes is not None and len(saved_classes) != len(classes):
+        data = saved["data"]
+        fix = f"data={data['source']}" + (f" data.root={data['root']}" if data["root"] else "")
+        raise ConfigError(
+            f"resume={resume} was trained on {len(saved_classes)} classes, this data has {len(classes)}: "
+            f"resume on the data it was trained on ({fix})"
+        )
+    check_same_tensors(resume, saved, config, state["model"], model_state)
     if state["total_steps"] != total_steps:
         limit = f" max_steps={saved['max_steps']}" if saved["max_steps"] is not None else ""
         raise ConfigError(
-            f"resume={cfg.resume} continues a {state['total_steps']}-step schedule, this config makes "
+            f"resume={resume} continues a {state['total_steps']}-step schedule, this config makes "
             f"{total_steps} steps: set epochs={saved['epochs']}{limit} "
             f"batch_size={saved['batch_size']} as saved, or start a new run without resume"
         )
+
+
+def check_same_tensors(resume: str, saved: dict, config: dict, saved_state: dict, model_state: dict) -> None:
+    """The saved weights have the names and shapes of this model's."""
+    saved_shapes = {name: tuple(tensor.shape) for name, tensor in saved_state.items()}
+    shapes = {name: tuple(tensor.shape) for name, tensor in model_state.items()}
+    if saved_shapes == shapes:
+        return
+    conv_bias = saved["model"]["conv_bias"]
+    if conv_bias != config["model"]["conv_bias"]:
+        raise ConfigError(
+            f"resume={resume} was saved with model.conv_bias={str(conv_bias).lower()}, a different set of "
+            f"weights: set model.conv_bias={str(conv_bias).lower()}"
+        )
+    differing = sorted(set(saved_shapes) ^ set(shapes)) or sorted(
+        name for name in shapes if saved_shapes[name] != shapes[name]
+    )
+    name = differing[0]
+    raise ConfigError(
+        f"resume={resume}: the saved model does not fit this one ({name}: {saved_shapes.get(name)} saved, "
+        f"{shapes.get(name)} here): resume with the settings and data it was saved with "
+        "(its .hydra/overrides.yaml), or start a new run"
+    )

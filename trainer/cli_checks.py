@@ -1,16 +1,19 @@
 """Command-line checks that run before Hydra makes a run folder.
 
 A single run is composed and validated in full; in a sweep, each value of each swept key
-is composed with the fixed overrides. Either way a mistake costs one line naming the fix and no folder.
+is composed with the fixed overrides. Then the folder Hydra will make is tried: it must be
+possible to create it. Either way a mistake costs one line naming the fix and no folder.
 """
 
 from __future__ import annotations
 
 import re
+import tempfile
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from trainer.checkpoint import resolve_checkpoint
@@ -35,9 +38,9 @@ HYDRA_FLAGS_WITH_VALUE = {
 }
 
 
-def split_command_line(args: list[str]) -> tuple[list[str], bool]:
-    """(the overrides to check, is it a sweep). Hydra's own flags and hydra.* keys pass."""
-    overrides, multirun = [], False
+def split_command_line(args: list[str]) -> tuple[list[str], list[str], bool]:
+    """(the overrides to check, the hydra.* overrides, is it a sweep). Hydra's own flags pass."""
+    overrides, hydra_overrides, multirun = [], [], False
     skip_next = False
     for arg in args:
         if skip_next:
@@ -46,21 +49,30 @@ def split_command_line(args: list[str]) -> tuple[list[str], bool]:
             multirun = True
         elif arg.startswith("-"):
             skip_next = arg in HYDRA_FLAGS_WITH_VALUE and "=" not in arg
-        elif not arg.startswith("hydra.") and not arg.startswith("hydra/"):
+        elif arg.startswith(("hydra.", "hydra/")):
+            hydra_overrides.append(arg)
+        else:
             overrides.append(arg)
-    return overrides, multirun
+    return overrides, hydra_overrides, multirun
 
 
 def check_command_line(args: list[str]) -> None:
-    overrides, multirun = split_command_line(args)
+    overrides, hydra_overrides, multirun = split_command_line(args)
     if multirun and started_by_torchrun():
         raise ConfigError(
             "sweeps (-m) under torchrun are not supported: run the sweep without "
             "torchrun; with ddp=true each job launches its own processes"
         )
-    if not multirun:
+    if multirun:
+        fixed = check_sweep(overrides)
+    else:
         check_composition(overrides)
-        return
+        fixed = overrides
+    check_output_folder([*fixed, *hydra_overrides], multirun)
+
+
+def check_sweep(overrides: list[str]) -> list[str]:
+    """Each swept value, composed with the fixed overrides; returns the fixed ones."""
     parsed = OverridesParser.create().parse_overrides(overrides)
     fixed = [override.input_line for override in parsed if not override.is_sweep_override()]
     check_composition(fixed)
@@ -70,6 +82,7 @@ def check_command_line(args: list[str]) -> None:
         key = override.get_key_element()
         for value in override.sweep_string_iterator():
             check_composition([*fixed, f"{key}={value}"])
+    return fixed
 
 
 def check_composition(overrides: list[str]) -> None:
@@ -81,6 +94,34 @@ def check_composition(overrides: list[str]) -> None:
     train_config = to_train_config(cfg)
     if train_config.resume:
         resolve_checkpoint(train_config.resume)
+
+
+def check_output_folder(overrides: list[str], multirun: bool) -> None:
+    """Hydra makes the run folder (under -m, the sweep folder) and opens its log file there;
+    where it cannot, it stops with a traceback. Try the same in the nearest folder that exists."""
+    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=overrides, return_hydra_config=True)
+    try:
+        folder = Path(OmegaConf.select(cfg, key))
+    except (OmegaConfBaseException, ValueError):
+        return  # it interpolates what only the running job knows (${hydra:...}): Hydra resolves it
+    existing = folder
+    while not existing.exists():
+        existing = existing.parent
+    problem = why_not_writable(existing.absolute())
+    if problem:
+        raise ConfigError(f"cannot make the run folder {folder}: {problem}: set {key}=/a/writable/folder")
+
+
+def why_not_writable(folder: Path) -> str | None:
+    if not folder.is_dir():
+        return f"{folder} is a file"
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            return None
+    except OSError as error:
+        return f"nothing can be written in {folder} ({error.strerror})"
 
 
 def group_options(group: str) -> list[str]:

@@ -7,6 +7,7 @@ turned into these dataclasses (``to_train_config``), before anything is built.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from enum import Enum
@@ -23,6 +24,9 @@ class TrainerError(CompactHydraException):
 
 class ConfigError(TrainerError):
     pass
+
+
+MAX_SEED = 2**32 - 1  # numpy's generator takes seeds in [0, 2**32)
 
 
 class ModelName(Enum):
@@ -112,6 +116,36 @@ class OptimConfig:
     warmup_frac: float = 0.2  # onecycle: fraction of the steps spent rising to lr
     label_smoothing: float = 0.0
 
+    def __post_init__(self) -> None:
+        # Checked here, not left to torch, so that a bad value costs one line before any run folder exists.
+        if not (math.isfinite(self.lr) and self.lr >= 0):
+            raise ConfigError(
+                f"optim.lr must be finite and not negative, got {self.lr}: set e.g. optim.lr=0.05"
+            )
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise ConfigError(
+                f"optim.weight_decay must be 0 or more, got {self.weight_decay}: "
+                "set optim.weight_decay=0 (none) or e.g. optim.weight_decay=5e-4"
+            )
+        if not 0.0 <= self.momentum < 1.0:
+            raise ConfigError(
+                f"optim.momentum must be in [0, 1), got {self.momentum}: "
+                "set optim.momentum=0.9 (or optim.momentum=0 for none)"
+            )
+        if self.name is OptimizerName.sgd and self.nesterov and self.momentum == 0:
+            raise ConfigError(
+                "optim.nesterov=true needs momentum: set optim.momentum=0.9 or optim.nesterov=false"
+            )
+        if len(self.betas) != 2 or not all(0.0 <= beta < 1.0 for beta in self.betas):
+            raise ConfigError(
+                f"optim.betas must be two numbers in [0, 1), got {list(self.betas)}: "
+                "set optim.betas=[0.9,0.999]"
+            )
+        if not 0.0 <= self.label_smoothing < 1.0:
+            raise ConfigError(f"optim.label_smoothing must be in [0, 1), got {self.label_smoothing}")
+        if not 0.0 < self.warmup_frac < 1.0:
+            raise ConfigError(f"optim.warmup_frac must be in (0, 1), got {self.warmup_frac}")
+
 
 @dataclass
 class TrainConfig:
@@ -119,7 +153,7 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
 
-    seed: int = 0
+    seed: int = 0  # one seed for python, numpy and torch: 0 to 2**32 - 1
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     epochs: int = 10
     max_steps: int | None = None  # stop after this many optimizer steps (null: run all epochs)
@@ -190,10 +224,11 @@ class TrainConfig:
             )
         if self.data.source is DataSource.synthetic and min(self.data.train_size, self.data.test_size) < 1:
             raise ConfigError("data.train_size and data.test_size must be at least 1")
-        if not 0.0 <= self.optim.label_smoothing < 1.0:
-            raise ConfigError(f"optim.label_smoothing must be in [0, 1), got {self.optim.label_smoothing}")
-        if not 0.0 < self.optim.warmup_frac < 1.0:
-            raise ConfigError(f"optim.warmup_frac must be in (0, 1), got {self.optim.warmup_frac}")
+        if not 0 <= self.seed <= MAX_SEED:
+            raise ConfigError(
+                f"seed must be in [0, {MAX_SEED}] (numpy's range), got {self.seed}: set seed=0 or another "
+                "whole number in that range"
+            )
 
 
 def register_schema() -> None:

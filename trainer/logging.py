@@ -13,6 +13,18 @@ METRICS = "metrics.json"
 FINAL_METRICS = ("test_acc", "best_test_acc", "img_per_s", "train_time_s", "peak_mem_mb")
 
 
+class BelowLevel(logging.Filter):
+    """Passes records below `level`: stdout gets progress, stderr gets warnings and errors
+    (conf/hydra/job_logging/trainer.yaml)."""
+
+    def __init__(self, level: str | int):
+        super().__init__()
+        self.level = logging.getLevelName(level) if isinstance(level, str) else level
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno < self.level
+
+
 def write_json_atomic(path: Path, data: dict) -> None:
     temporary = path.with_name(path.name + ".tmp")
     temporary.write_text(json.dumps(data, indent=2, default=str) + "\n")

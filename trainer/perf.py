@@ -11,6 +11,7 @@ import contextlib
 import functools
 import logging
 import os
+import signal
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
@@ -68,6 +69,16 @@ def autocast_context(
     return functools.partial(torch.autocast, device_type=device.type, dtype=dtype)
 
 
+def non_finite_remedy(cfg: TrainConfig, device: torch.device) -> str:
+    """What else to try, after a lower learning rate, when the loss stops being finite."""
+    dtype = amp_dtype(cfg, device)
+    if dtype is None:
+        return ""
+    if dtype == torch.float16:
+        return ", or use amp_dtype=bf16 / amp=false"
+    return ", or set amp=false"
+
+
 def grad_scaler(cfg: TrainConfig, device: torch.device) -> torch.amp.GradScaler:
     """Loss scaling only for fp16 on CUDA; a disabled scaler passes everything through."""
     enabled = amp_dtype(cfg, device) == torch.float16 and device.type == "cuda"
@@ -85,6 +96,14 @@ def optimizer_kwargs(cfg: TrainConfig) -> dict:
 
 def memory_format(cfg: TrainConfig) -> torch.memory_format:
     return torch.channels_last if cfg.channels_last else torch.contiguous_format
+
+
+def leave_stops_to_the_main_process(_worker_id: int) -> None:
+    """In each DataLoader worker. Ctrl-C and `kill -TERM -- -<pgid>` (terminals, job schedulers)
+    reach every process of the group; a worker that dies of them fails the run. The main process
+    stops at the next step, saves, and ends its workers itself."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def worker_count(cfg: TrainConfig, device: torch.device, processes_per_host: int) -> int:
@@ -110,6 +129,7 @@ def dataloader_kwargs(cfg: TrainConfig, device: torch.device, processes_per_host
     if workers > 0:
         kwargs["persistent_workers"] = cfg.persistent_workers
         kwargs["prefetch_factor"] = cfg.prefetch_factor
+        kwargs["worker_init_fn"] = leave_stops_to_the_main_process
     elif cfg.persistent_workers or cfg.prefetch_factor is not None:
         cannot_act("persistent_workers / prefetch_factor", "num_workers=auto picked no workers")
     return kwargs

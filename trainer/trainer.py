@@ -202,6 +202,7 @@ class Trainer:
         self.test_batches = perf.device_batches(cfg, test, device)
         self.images_per_micro_batch = cfg.batch_size * ranks.world_size
 
+        self.classes = splits.classes
         self.raw_model = build_model(cfg.model, num_classes=len(splits.classes))
         wrap_ddp = None
         if ranks.world_size > 1:
@@ -222,6 +223,7 @@ class Trainer:
         self.scheduler = build_scheduler(cfg.optim, self.optimizer, self.total_steps)
         self.loss_fn = nn.CrossEntropyLoss(label_smoothing=cfg.optim.label_smoothing)
         self.autocast = perf.autocast_context(cfg, device)
+        self.non_finite_remedy = perf.non_finite_remedy(cfg, device)
         self.scaler = perf.grad_scaler(cfg, device)
         self.zero_grad = perf.zero_grad(cfg, self.optimizer)
         self.synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -231,6 +233,8 @@ class Trainer:
         if resume is not None:
             self._restore(*resume)
         # Files appear only once everything above has worked.
+        if ranks.is_main:
+            checkpoint.remove_partial_write(self.run_dir / checkpoint.CHECKPOINT)
         self.run_log = RunLog(self.run_dir) if ranks.is_main else SilentRunLog(self.run_dir)
         self.profiler = perf.Profiler(cfg.profile and ranks.is_main, str(self.run_dir / "profile"))
         log.info(
@@ -250,6 +254,7 @@ class Trainer:
 
     def _train(self) -> None:
         cfg = self.cfg
+        epochs_run = 0
         while (
             self.progress.epoch < cfg.epochs
             and self.progress.step < self.total_steps
@@ -268,6 +273,7 @@ class Trainer:
             self._report_epoch(record)
             self._save_checkpoint()
             self.run_log.metrics(self.summary())
+            epochs_run += 1
         if self.stop_signal:
             self.status = "interrupted"
             self._save_checkpoint()
@@ -279,6 +285,9 @@ class Trainer:
             )
         else:
             self.status = "completed"
+            if epochs_run == 0:  # resumed from a finished run: this run's folder still gets its checkpoint
+                log.info("resume=%s had already finished: nothing left to train", cfg.resume)
+                self._save_checkpoint()
 
     def _report_epoch(self, record: dict) -> None:
         """TensorBoard scalars, one log line, and the input-pipeline hint when data is slow."""
@@ -395,7 +404,7 @@ class Trainer:
             epoch = self.progress.epoch + 1
             raise NonFiniteLoss(
                 f"training loss became {losses[bad]} at optimizer step {step} (epoch {epoch}): "
-                f"lower optim.lr (now {self.cfg.optim.lr}), or use amp_dtype=bf16 / amp=false"
+                f"lower optim.lr (now {self.cfg.optim.lr}){self.non_finite_remedy}"
             )
         mean = sum(losses) / len(losses)
         images_per_s = len(losses) * self.images_per_micro_batch / max(seconds, 1e-9)
@@ -459,11 +468,14 @@ class Trainer:
                 total_steps=self.total_steps,
                 epoch=self.progress.epoch,  # also in progress; here for a reader of the file
                 step=self.progress.step,
+                classes=self.classes,
             )
 
     def _restore(self, path: Path, state: dict) -> None:
-        checkpoint.check_compatible(state, self.cfg, self.total_steps)
-        checkpoint.restore(state, self._stateful())
+        checkpoint.check_compatible(
+            state, self.config, self.total_steps, self.raw_model.state_dict(), self.classes
+        )
+        checkpoint.restore(self.cfg.resume, state, self._stateful())
         self.resumed_from = str(path)
         log.info(
             "resumed from %s at epoch %d, step %d", self.resumed_from, self.progress.epoch, self.progress.step

@@ -1,0 +1,127 @@
+"""Resuming from a checkpoint that does not fit the run is refused in one line that says what
+differs and what to set, before anything is written; a partial save is cleaned up; a finished
+run resumed still leaves a checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import FINISHED, compose_config, read_metrics
+from PIL import Image
+
+from trainer import Trainer
+from trainer.config import ConfigError, ModelConfig, ModelName
+from trainer.models import build_model
+
+
+@pytest.fixture(scope="module")
+def two_classes(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("two-classes")
+    generator = torch.Generator().manual_seed(0)
+    for split in ("train", "test"):
+        for label in range(2):
+            (root / split / f"class{label}").mkdir(parents=True)
+            for index in range(4):
+                pixels = torch.randint(0, 256, (32, 32, 3), generator=generator, dtype=torch.uint8)
+                Image.fromarray(pixels.numpy()).save(root / split / f"class{label}" / f"{index}.png")
+    return root
+
+
+def refusal(overrides: list[str], run_dir: Path) -> str:
+    """The one-line error a resume with these overrides stops with, after checking that it
+    left no checkpoint and a metrics.json that says failed."""
+    with pytest.raises(ConfigError) as caught:
+        Trainer.for_run(compose_config(*overrides), run_dir, overrides).fit()
+    assert "\n" not in str(caught.value)
+    assert not (run_dir / "checkpoints").exists()
+    assert read_metrics(run_dir)["status"] == "failed"
+    return str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["optim=adamw"], "was saved with optim.name=sgd, this config has adamw: set optim=sgd"),
+        (["model=resnet18"], "was saved with model.name=cnn, this config has resnet18: set model=cnn"),
+        (
+            ["optim.schedule=cosine"],
+            "was saved with optim.schedule=onecycle, this config has cosine: set optim.schedule=onecycle",
+        ),
+        (
+            ["data=imagefolder", "data.root={two_classes}", "batch_size=2"],
+            "was trained on 10 classes, this data has 2: resume on the data it was trained on "
+            "(data=synthetic)",
+        ),
+    ],
+    ids=["optimizer", "model", "schedule", "class-count"],
+)
+def test_a_resume_that_does_not_fit_says_what_to_set(tmp_path, finished_run, two_classes, overrides, message):
+    overrides = [override.format(two_classes=two_classes) for override in overrides]
+
+    line = refusal([*FINISHED, *overrides, f"resume={finished_run}"], tmp_path / "resumed")
+
+    assert line.startswith(f"resume={finished_run} ")
+    assert message in line
+
+
+def test_resuming_without_conv_biases_from_a_run_with_them_says_to_keep_them(tmp_path, finished_run):
+    """A resnet18 checkpoint with conv biases: the finished run's, its model swapped (no
+    resnet18 step is needed to show the refusal, and one costs seconds on a CPU)."""
+    state = torch.load(finished_run / "checkpoints" / "last.pt", weights_only=False)
+    state["model"] = build_model(ModelConfig(name=ModelName.resnet18, conv_bias=True), 10).state_dict()
+    state["config"]["model"].update(name="resnet18", conv_bias=True)
+    with_biases = tmp_path / "with-biases.pt"
+    torch.save(state, with_biases)
+
+    overrides = [*FINISHED, "model=resnet18", "model.conv_bias=false", f"resume={with_biases}"]
+    line = refusal(overrides, tmp_path / "resumed")
+
+    assert "was saved with model.conv_bias=true, a different set of weights: set model.conv_bias=true" in line
+
+
+def test_a_plain_state_dict_is_not_taken_for_a_checkpoint(tmp_path, finished_run):
+    weights = tmp_path / "weights.pt"
+    torch.save(torch.load(finished_run / "checkpoints" / "last.pt", weights_only=False)["model"], weights)
+
+    line = refusal([*FINISHED, f"resume={weights}"], tmp_path / "resumed")
+
+    assert f"resume={weights} is not a checkpoint written by this trainer (no model, optimizer" in line
+    assert "give a run folder or its checkpoints/last.pt" in line
+
+
+def test_a_saved_state_that_does_not_load_names_which_and_how_to_resume(tmp_path, finished_run):
+    state = torch.load(finished_run / "checkpoints" / "last.pt", weights_only=False)
+    state["optimizer"]["param_groups"] = []
+    tampered = tmp_path / "tampered.pt"
+    torch.save(state, tampered)
+
+    line = refusal([*FINISHED, f"resume={tampered}"], tmp_path / "resumed")
+
+    assert "the saved optimizer state does not fit this run" in line
+    assert "resume with the settings it was saved with" in line
+
+
+def test_resuming_a_finished_run_leaves_its_checkpoint_and_removes_a_partial_save(tmp_path, finished_run):
+    """A save killed midway (kill -9) leaves last.pt.tmp; the next start or resume removes it."""
+    partial = finished_run / "checkpoints" / "last.pt.tmp"
+    partial.write_bytes(b"half a checkpoint")
+
+    metrics = Trainer(compose_config(*FINISHED, f"resume={finished_run}"), tmp_path / "resumed").fit()
+
+    assert not partial.exists()
+    assert (metrics["status"], metrics["steps"]) == ("completed", 2)
+    assert metrics["history"] == read_metrics(finished_run)["history"]
+    saved = torch.load(tmp_path / "resumed" / "checkpoints" / "last.pt", weights_only=False)
+    assert saved["step"] == 2
+
+
+def test_a_new_run_in_a_folder_with_a_partial_save_removes_it(tmp_path):
+    partial = tmp_path / "run" / "checkpoints" / "last.pt.tmp"
+    partial.parent.mkdir(parents=True)
+    partial.write_bytes(b"half a checkpoint")
+
+    Trainer(compose_config("max_steps=1"), tmp_path / "run").build()
+
+    assert not partial.exists()
