@@ -1,13 +1,14 @@
-"""Atomic checkpoints (temp file + rename) and resume."""
+"""Atomic checkpoints (temp file + rename) and resume.
+
+torch and numpy are imported where they are used: `resolve_checkpoint` is part of the
+command-line check, which answers before torch is loaded.
+"""
 
 from __future__ import annotations
 
 import os
 import random
 from pathlib import Path
-
-import numpy as np
-import torch
 
 from trainer.config import ConfigError, TrainConfig, TrainerError
 
@@ -16,6 +17,8 @@ CHECKPOINT = Path("checkpoints") / "last.pt"
 
 def atomic_save(obj: object, path: Path) -> None:
     """A reader sees the old file or the new one, never half of one."""
+    import torch
+
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(path.name + ".tmp")
     torch.save(obj, temporary)
@@ -23,6 +26,9 @@ def atomic_save(obj: object, path: Path) -> None:
 
 
 def rng_states() -> dict:
+    import numpy as np
+    import torch
+
     states = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         states["cuda"] = torch.cuda.get_rng_state_all()
@@ -30,6 +36,9 @@ def rng_states() -> dict:
 
 
 def restore_rng_states(states: dict) -> None:
+    import numpy as np
+    import torch
+
     torch.set_rng_state(states["torch"])
     np.random.set_state(states["numpy"])
     random.setstate(states["python"])
@@ -52,6 +61,8 @@ def resolve_checkpoint(resume: str) -> Path:
 
 def load_checkpoint(resume: str) -> tuple[Path, dict]:
     """The resolved checkpoint file and what it holds."""
+    import torch
+
     path = resolve_checkpoint(resume)
     try:
         return path, torch.load(path, map_location="cpu", weights_only=False)

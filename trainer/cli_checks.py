@@ -15,9 +15,12 @@ from omegaconf.errors import OmegaConfBaseException
 
 from trainer.checkpoint import resolve_checkpoint
 from trainer.config import ConfigError, to_train_config, unknown_key_message
-from trainer.distributed import started_by_torchrun
+from trainer.torchrun_env import started_by_torchrun
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+PACKAGE_DIR = Path(__file__).resolve().parent
+# The configs: a wheel ships the top-level conf/ inside the package (setup.py maps it to
+# trainer/conf); a checkout and an editable install read conf/ where it is.
+CONF_DIR = PACKAGE_DIR / "conf" if (PACKAGE_DIR / "conf").is_dir() else PACKAGE_DIR.parent / "conf"
 HYDRA_FLAGS_WITH_VALUE = {
     "--config-path",
     "-cp",
