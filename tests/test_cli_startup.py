@@ -72,4 +72,6 @@ def test_help_lists_the_groups_and_points_to_every_key(tmp_path):
     ]
     assert "_schema" not in help_text
     assert "python -m trainer [group=option ...] --cfg job" in help_text
+    assert "--config-dir ./my_conf perf=my_preset" in help_text
+    assert "model.target=mypkg.nets:MyNet" in help_text
     assert not (tmp_path / "outputs").exists()

@@ -86,9 +86,11 @@ def restore(state: dict, stateful: dict) -> None:
 def check_compatible(state: dict, cfg: TrainConfig, total_steps: int) -> None:
     """Resuming needs the same model and the same LR schedule length."""
     saved = state["config"]
-    model = saved["model"]["name"]
-    if model != cfg.model.name.value:
-        raise ConfigError(f"resume={cfg.resume} holds a {model} checkpoint: set model={model}")
+    saved_target = saved["model"].get("target")
+    model = saved_target or saved["model"]["name"]
+    if model != (cfg.model.target or cfg.model.name.value):
+        fix = f"model.target={model}" if saved_target else f"model={model}"
+        raise ConfigError(f"resume={cfg.resume} holds a {model} checkpoint: set {fix}")
     if state["total_steps"] != total_steps:
         limit = f" max_steps={saved['max_steps']}" if saved["max_steps"] is not None else ""
         raise ConfigError(

@@ -39,19 +39,36 @@ HYDRA_FLAGS_WITH_VALUE = {
 
 
 def split_command_line(args: list[str]) -> tuple[list[str], bool]:
-    """(the overrides to check, is it a sweep). Hydra's own flags and hydra.* keys pass."""
+    """(the overrides to check, is it a sweep). Hydra's own flags and hydra.* keys pass, but for
+    the config folders they add (`--config-dir`, `hydra.searchpath`): a user's preset is found
+    there, so the check searches them too."""
     overrides, multirun = [], False
-    skip_next = False
+    flag_with_value = None
+    search_path = []
     for arg in args:
-        if skip_next:
-            skip_next = False
+        if flag_with_value:
+            if flag_with_value in ("--config-dir", "-cd"):
+                search_path.append(folder_entry(arg))
+            flag_with_value = None
         elif arg in ("-m", "--multirun"):
             multirun = True
         elif arg.startswith("-"):
-            skip_next = arg in HYDRA_FLAGS_WITH_VALUE and "=" not in arg
+            name, has_value, value = arg.partition("=")
+            if has_value and name in ("--config-dir", "-cd"):
+                search_path.append(folder_entry(value))
+            flag_with_value = arg if arg in HYDRA_FLAGS_WITH_VALUE else None
+        elif arg.startswith("hydra.searchpath="):
+            search_path[:0] = [f"'{entry}'" for entry in OverridesParser.create().parse_override(arg).value()]
         elif not arg.startswith("hydra.") and not arg.startswith("hydra/"):
             overrides.append(arg)
+    if search_path:
+        overrides.append(f"hydra.searchpath=[{','.join(search_path)}]")
     return overrides, multirun
+
+
+def folder_entry(folder: str) -> str:
+    """A config folder as an entry of hydra.searchpath (quoted: paths may hold spaces)."""
+    return f"'file://{Path(folder).resolve()}'"
 
 
 def check_command_line(args: list[str]) -> None:
@@ -84,10 +101,18 @@ def check_composition(overrides: list[str]) -> None:
     train_config = to_train_config(cfg)
     if train_config.resume:
         resolve_checkpoint(train_config.resume)
+    if train_config.model.target:
+        from trainer.models import check_target  # torch: the config is otherwise valid by now
+
+        check_target(train_config.model.target)
 
 
-def group_options(group: str) -> list[str]:
-    return sorted(path.stem for path in (CONF_DIR / group).glob("*.yaml"))
+def group_options(hydra_message: str) -> list[str]:
+    """The options Hydra lists after 'Available options in ...' (every config folder searched),
+    less the schema entries."""
+    listed = re.search(r"Available options in '[^']+':\n((?:\t.*\n?)+)", hydra_message)
+    names = listed.group(1).split() if listed else []
+    return [name for name in names if not name.endswith("_schema")]
 
 
 def explain(error: Exception) -> str:
@@ -95,7 +120,7 @@ def explain(error: Exception) -> str:
     missing = re.search(r"Could not find '(\w+)/([^']+)'", text)
     if missing:
         group, name = missing.groups()
-        options = group_options(group)
+        options = group_options(text)
         if options:
             choices = " or ".join(f"{group}={option}" for option in options)
             return f"unknown {group} '{name}': choose {choices}"

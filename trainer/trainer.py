@@ -235,7 +235,7 @@ class Trainer:
             self.run_dir,
             device,
             ranks.world_size,
-            cfg.model.name.value,
+            cfg.model.target or cfg.model.name.value,
             cfg.data.source.value,
             len(splits.train),
             len(splits.test),
