@@ -76,6 +76,8 @@ def test_a_model_from_a_users_module_trains(my_nets, tmp_path):
         "1.weight": (10, 3 * 32 * 32),
         "1.bias": (10,),
     }
+    # forward and the weight gradient (the images need no gradient): two matmuls of 2 x 3072 x 10
+    assert metrics["flops_per_image"] == 2 * (2 * 3 * 32 * 32 * 10)
 
 
 @pytest.mark.parametrize(
