@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from trainer import checkpoint, distributed, mfu, perf
 from trainer.config import ConfigError, LoaderKind, TrainConfig, TrainerError, to_train_config
-from trainer.data import IMAGE_SIZE, gpu_loaders, load_source, torch_loaders
+from trainer.data import gpu_loaders, load_source, torch_loaders
 from trainer.distributed import Ranks
 from trainer.logging import RunLog, SilentRunLog, configure_rank_logging, write_json_atomic
 from trainer.models import build_model
@@ -210,7 +210,7 @@ class Trainer:
                 return self.ddp_model
 
         self.model = perf.prepare_model(cfg, self.raw_model, device, wrap_ddp)
-        batch_shape = (cfg.batch_size, 3, IMAGE_SIZE, IMAGE_SIZE)
+        batch_shape = (cfg.batch_size, 3, 32, 32)  # every data source yields 32x32 RGB images
         flops = mfu.flops_per_image(cfg.model, len(splits.classes), batch_shape)
         self.mfu = mfu.meter(cfg, device, flops, ranks.world_size)
         self.no_sync = self.ddp_model.no_sync if wrap_ddp else contextlib.nullcontext
