@@ -12,16 +12,17 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from trainer.cli_checks import check_command_line
+from trainer.cli_checks import CONF_DIR, check_command_line
+from trainer.cli_help import register_help
 from trainer.config import TrainerError, register_schema
-from trainer.distributed import started_by_torchrun
-from trainer.trainer import Trainer
+from trainer.torchrun_env import started_by_torchrun
 
 register_schema()
+register_help()
 log = logging.getLogger("trainer")
 
 
-@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+@hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def train(cfg: DictConfig) -> float | None:
     hydra_cfg = HydraConfig.get()
     sweep = hydra_cfg.mode == RunMode.MULTIRUN
@@ -30,6 +31,8 @@ def train(cfg: DictConfig) -> float | None:
 
 def run(cfg: DictConfig, run_dir: str, overrides: list[str], sweep: bool = False) -> float | None:
     """One job in its run folder: exit 1 with one error line when it fails, 130 when stopped."""
+    from trainer.trainer import Trainer  # torch: only once the command line has passed its check
+
     trainer = Trainer.for_run(cfg, run_dir, overrides)
     try:
         metrics = trainer.fit()

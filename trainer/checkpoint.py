@@ -1,4 +1,8 @@
-"""Atomic checkpoints (temp file + rename) and resume."""
+"""Atomic checkpoints (temp file + rename) and resume.
+
+torch and numpy are imported where they are used: `resolve_checkpoint` is part of the
+command-line check, which answers before torch is loaded.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +11,6 @@ import logging
 import os
 import random
 from pathlib import Path
-
-import numpy as np
-import torch
 
 from trainer.config import ConfigError, TrainerError
 
@@ -34,6 +35,8 @@ def atomic_save(obj: object, path: Path) -> None:
     Serialized in memory first: torch's own file writer reports a full disk or a file-size
     limit only as "enforce fail at inline_container.cc", a plain write says which it was.
     """
+    import torch
+
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = temporary_path(path)
     buffer = io.BytesIO()
@@ -60,6 +63,9 @@ def remove_partial_write(path: Path) -> None:
 
 
 def rng_states() -> dict:
+    import numpy as np
+    import torch
+
     states = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         states["cuda"] = torch.cuda.get_rng_state_all()
@@ -67,6 +73,9 @@ def rng_states() -> dict:
 
 
 def restore_rng_states(states: dict) -> None:
+    import numpy as np
+    import torch
+
     torch.set_rng_state(states["torch"])
     np.random.set_state(states["numpy"])
     random.setstate(states["python"])
@@ -89,6 +98,8 @@ def resolve_checkpoint(resume: str) -> Path:
 
 def load_checkpoint(resume: str) -> tuple[Path, dict]:
     """The resolved checkpoint file and what it holds."""
+    import torch
+
     path = resolve_checkpoint(resume)
     remove_partial_write(path)
     try:
@@ -120,6 +131,7 @@ def restore(resume: str, state: dict, stateful: dict) -> None:
 # Saved settings that decide the shape of what a checkpoint holds, with the override that sets each.
 STATE_SHAPING = {
     ("model", "name"): "model",
+    ("model", "target"): "model.target",
     ("optim", "name"): "optim",
     ("optim", "schedule"): "optim.schedule",
 }
@@ -139,10 +151,11 @@ def check_compatible(
         )
     saved = state["config"]
     for (group, key), override in STATE_SHAPING.items():
-        if saved[group][key] != config[group][key]:
+        value = saved[group].get(key)
+        if value != config[group].get(key):
             raise ConfigError(
-                f"resume={resume} was saved with {group}.{key}={saved[group][key]}, this config has "
-                f"{config[group][key]}: set {override}={saved[group][key]}"
+                f"resume={resume} was saved with {group}.{key}={value}, this config has "
+                f"{config[group].get(key)}: set {override}={value}"
             )
     saved_classes = state.get("classes")
     if saved_classes is not None and len(saved_classes) != len(classes):

@@ -18,9 +18,12 @@ from omegaconf.errors import OmegaConfBaseException
 
 from trainer.checkpoint import resolve_checkpoint
 from trainer.config import ConfigError, to_train_config, unknown_key_message
-from trainer.distributed import started_by_torchrun
+from trainer.torchrun_env import started_by_torchrun
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+PACKAGE_DIR = Path(__file__).resolve().parent
+# The configs: a wheel ships the top-level conf/ inside the package (setup.py maps it to
+# trainer/conf); a checkout and an editable install read conf/ where it is.
+CONF_DIR = PACKAGE_DIR / "conf" if (PACKAGE_DIR / "conf").is_dir() else PACKAGE_DIR.parent / "conf"
 HYDRA_FLAGS_WITH_VALUE = {
     "--config-path",
     "-cp",
@@ -39,21 +42,38 @@ HYDRA_FLAGS_WITH_VALUE = {
 
 
 def split_command_line(args: list[str]) -> tuple[list[str], list[str], bool]:
-    """(the overrides to check, the hydra.* overrides, is it a sweep). Hydra's own flags pass."""
+    """(the overrides to check, the other hydra.* overrides, is it a sweep). Hydra's own flags
+    pass, but for the config folders they add (`--config-dir`, `hydra.searchpath`): a user's
+    preset is found there, so the check searches them too."""
     overrides, hydra_overrides, multirun = [], [], False
-    skip_next = False
+    flag_with_value = None
+    search_path = []
     for arg in args:
-        if skip_next:
-            skip_next = False
+        if flag_with_value:
+            if flag_with_value in ("--config-dir", "-cd"):
+                search_path.append(folder_entry(arg))
+            flag_with_value = None
         elif arg in ("-m", "--multirun"):
             multirun = True
         elif arg.startswith("-"):
-            skip_next = arg in HYDRA_FLAGS_WITH_VALUE and "=" not in arg
+            name, has_value, value = arg.partition("=")
+            if has_value and name in ("--config-dir", "-cd"):
+                search_path.append(folder_entry(value))
+            flag_with_value = arg if arg in HYDRA_FLAGS_WITH_VALUE else None
+        elif arg.startswith("hydra.searchpath="):
+            search_path[:0] = [f"'{entry}'" for entry in OverridesParser.create().parse_override(arg).value()]
         elif arg.startswith(("hydra.", "hydra/")):
             hydra_overrides.append(arg)
         else:
             overrides.append(arg)
+    if search_path:
+        overrides.append(f"hydra.searchpath=[{','.join(search_path)}]")
     return overrides, hydra_overrides, multirun
+
+
+def folder_entry(folder: str) -> str:
+    """A config folder as an entry of hydra.searchpath (quoted: paths may hold spaces)."""
+    return f"'file://{Path(folder).resolve()}'"
 
 
 def check_command_line(args: list[str]) -> None:
@@ -94,6 +114,10 @@ def check_composition(overrides: list[str]) -> None:
     train_config = to_train_config(cfg)
     if train_config.resume:
         resolve_checkpoint(train_config.resume)
+    if train_config.model.target:
+        from trainer.models import check_target  # torch: the config is otherwise valid by now
+
+        check_target(train_config.model.target)
 
 
 def check_output_folder(overrides: list[str], multirun: bool) -> None:
@@ -124,8 +148,12 @@ def why_not_writable(folder: Path) -> str | None:
         return f"nothing can be written in {folder} ({error.strerror})"
 
 
-def group_options(group: str) -> list[str]:
-    return sorted(path.stem for path in (CONF_DIR / group).glob("*.yaml"))
+def group_options(hydra_message: str) -> list[str]:
+    """The options Hydra lists after 'Available options in ...' (every config folder searched),
+    less the schema entries."""
+    listed = re.search(r"Available options in '[^']+':\n((?:\t.*\n?)+)", hydra_message)
+    names = listed.group(1).split() if listed else []
+    return [name for name in names if not name.endswith("_schema")]
 
 
 def explain(error: Exception) -> str:
@@ -133,7 +161,7 @@ def explain(error: Exception) -> str:
     missing = re.search(r"Could not find '(\w+)/([^']+)'", text)
     if missing:
         group, name = missing.groups()
-        options = group_options(group)
+        options = group_options(text)
         if options:
             choices = " or ".join(f"{group}={option}" for option in options)
             return f"unknown {group} '{name}': choose {choices}"

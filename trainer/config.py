@@ -84,6 +84,7 @@ class DdpBackend(Enum):
 @dataclass
 class ModelConfig:
     name: ModelName = ModelName.resnet18  # picked by the `model=` group
+    target: str | None = None  # your own model instead: 'module:callable', callable(num_classes) -> nn.Module
     conv_bias: bool = True  # false: no bias on convs followed by BatchNorm (it is redundant)
     grad_checkpointing: bool = False  # recompute residual stages in backward: memory for compute
 

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.config import ConfigError, DdpBackend, TrainConfig, TrainerError
+from trainer.torchrun_env import started_by_torchrun  # noqa: F401 - part of this module's interface
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +44,6 @@ class Ranks:
 
 class WorkerFailed(TrainerError):
     pass
-
-
-def started_by_torchrun() -> bool:
-    return all(name in os.environ for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"))
 
 
 def torchrun_ranks() -> Ranks:

@@ -10,7 +10,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 METRICS = "metrics.json"
-FINAL_METRICS = ("test_acc", "best_test_acc", "img_per_s", "train_time_s", "peak_mem_mb")
+FINAL_METRICS = ("test_acc", "best_test_acc", "img_per_s", "mfu", "train_time_s", "peak_mem_mb")
 
 
 class BelowLevel(logging.Filter):

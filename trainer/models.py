@@ -1,7 +1,9 @@
-"""Models by name: the tutorial CNN and torchvision's ResNet-18 with the CIFAR stem."""
+"""Models by name: the tutorial CNN and torchvision's ResNet-18 with the CIFAR stem; or the
+user's own, from `model.target=module:callable`."""
 
 from __future__ import annotations
 
+import importlib
 import logging
 from collections.abc import Callable
 
@@ -10,7 +12,7 @@ import torchvision
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from trainer.config import ModelConfig, ModelName
+from trainer.config import ConfigError, ModelConfig, ModelName
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +84,54 @@ BUILDERS: dict[ModelName, Callable[..., nn.Module]] = {
 }
 
 
+def import_target(target: str) -> Callable[[int], nn.Module]:
+    """The callable named by model.target ('module:callable')."""
+    module_name, _, attribute = target.partition(":")
+    if not module_name or not attribute:
+        raise ConfigError(f"model.target={target} is not module:callable: set model.target=mypkg.nets:MyNet")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as error:  # ImportError, or whatever the module raised while loading
+        why = f"{type(error).__name__}: {str(error).splitlines()[0]}" if str(error) else type(error).__name__
+        raise ConfigError(
+            f"model.target={target}: cannot import {module_name} ({why}): install it, "
+            "or add its folder to PYTHONPATH"
+        ) from None
+    builder = getattr(module, attribute, None)
+    if not callable(builder):
+        raise ConfigError(
+            f"model.target={target}: {module_name} has no callable '{attribute}': "
+            f"set model.target={module_name}:<a class or function in it>"
+        )
+    return builder
+
+
+def build_target(target: str, num_classes: int) -> nn.Module:
+    model = import_target(target)(num_classes)
+    if not isinstance(model, nn.Module):
+        raise ConfigError(
+            f"model.target={target} returned a {type(model).__name__}, not a torch.nn.Module: "
+            f"make {target.partition(':')[2]}(num_classes) return one"
+        )
+    return model
+
+
+def check_target(target: str) -> None:
+    """Import and call model.target before the run starts, on the meta device (no memory, no
+    compute); 10 classes stand in for the dataset's count, which only sizes the last layer."""
+    with torch.device("meta"):
+        build_target(target, num_classes=10)
+
+
 def build_model(cfg: ModelConfig, num_classes: int) -> nn.Module:
+    if cfg.target:
+        if cfg.grad_checkpointing or not cfg.conv_bias:
+            log.info(
+                "model.target=%s: model.grad_checkpointing and model.conv_bias act on the "
+                "built-in models only",
+                cfg.target,
+            )
+        return build_target(cfg.target, num_classes)
     model = BUILDERS[cfg.name](num_classes, conv_bias=cfg.conv_bias)
     if cfg.name is ModelName.cnn and (cfg.grad_checkpointing or not cfg.conv_bias):
         log.info(

@@ -24,9 +24,9 @@ from omegaconf import OmegaConf
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from trainer import checkpoint, distributed, perf
+from trainer import checkpoint, distributed, mfu, perf
 from trainer.config import ConfigError, LoaderKind, TrainConfig, TrainerError, to_train_config
-from trainer.data import gpu_loaders, load_source, torch_loaders
+from trainer.data import IMAGE_SIZE, gpu_loaders, load_source, torch_loaders
 from trainer.distributed import Ranks
 from trainer.logging import RunLog, SilentRunLog, configure_rank_logging, write_json_atomic
 from trainer.models import build_model
@@ -85,6 +85,7 @@ class Trainer:
         self.overrides = list(overrides or [])
         self.status = "running"
         self.progress = Progress()
+        self.mfu = mfu.Meter()  # nothing counted before build
         self.stop_signal: str | None = None
         self.device: torch.device | None = None
         self.resumed_from: str | None = None
@@ -213,6 +214,9 @@ class Trainer:
                 return self.ddp_model
 
         self.model = perf.prepare_model(cfg, self.raw_model, device, wrap_ddp)
+        batch_shape = (cfg.batch_size, 3, IMAGE_SIZE, IMAGE_SIZE)
+        flops = mfu.flops_per_image(cfg.model, len(splits.classes), batch_shape)
+        self.mfu = mfu.meter(cfg, device, flops, ranks.world_size)
         self.no_sync = self.ddp_model.no_sync if wrap_ddp else contextlib.nullcontext
 
         self.optimizer = build_optimizer(cfg.optim, self.raw_model, perf.optimizer_kwargs(cfg))
@@ -242,7 +246,7 @@ class Trainer:
             self.run_dir,
             device,
             ranks.world_size,
-            cfg.model.name.value,
+            cfg.model.target or cfg.model.name.value,
             cfg.data.source.value,
             len(splits.train),
             len(splits.test),
@@ -299,13 +303,15 @@ class Trainer:
                 "test/loss": record.get("test_loss"),
                 "test/acc": record.get("test_acc"),
                 "perf/img_per_s": record["img_per_s"],
+                "perf/mfu": record["mfu"],
                 "perf/epoch_s": record["epoch_s"],
                 "perf/data_wait_frac": record["data_wait_frac"],
                 "perf/peak_mem_mb": record["peak_mem_mb"],
             },
         )
         log.info(
-            "epoch %d/%d | step %d | loss %.4f | train acc %.4f | test acc %s | %.0f img/s | data wait %s",
+            "epoch %d/%d | step %d | loss %.4f | train acc %.4f | test acc %s | %.0f img/s | mfu %s"
+            " | data wait %s",
             self.progress.epoch,
             cfg.epochs,
             self.progress.step,
@@ -313,6 +319,7 @@ class Trainer:
             record["train_acc"],
             _fmt(record.get("test_acc")),
             record["img_per_s"],
+            _percent(record["mfu"]),
             _fmt(record["data_wait_frac"]),
         )
         if (record["data_wait_frac"] or 0.0) > 0.2:
@@ -368,12 +375,14 @@ class Trainer:
             self.ranks,
         ).tolist()
         wait = self.timer.wait_seconds()
+        images_per_s = micro_batches * self.images_per_micro_batch / epoch_s
         return {
             "epoch": self.progress.epoch + 1,
             "step": self.progress.step,
             "train_loss": totals[0] / max(totals[2], 1),
             "train_acc": totals[1] / max(totals[2] * cfg.batch_size, 1),
-            "img_per_s": micro_batches * self.images_per_micro_batch / epoch_s,
+            "img_per_s": images_per_s,
+            "mfu": self.mfu.utilization(images_per_s),
             "epoch_s": epoch_s,
             "data_wait_frac": None if wait is None else wait / epoch_s,
             "peak_mem_mb": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
@@ -409,7 +418,12 @@ class Trainer:
         mean = sum(losses) / len(losses)
         images_per_s = len(losses) * self.images_per_micro_batch / max(seconds, 1e-9)
         self.run_log.scalars(self.progress.step, {"train/loss": mean, "lr": self.scheduler.get_last_lr()[0]})
-        progress.set_postfix(loss=f"{mean:.3f}", img_s=f"{images_per_s:,.0f}", refresh=False)
+        progress.set_postfix(
+            loss=f"{mean:.3f}",
+            img_s=f"{images_per_s:,.0f}",
+            mfu=_percent(self.mfu.utilization(images_per_s)),
+            refresh=False,
+        )
         progress.update(len(losses))
         return sum(losses)
 
@@ -484,9 +498,12 @@ class Trainer:
     # ------------------------------------------------------------------ results
 
     def summary(self) -> dict:
+        progress = self.progress.summary()
         return {
             "status": self.status,
-            **self.progress.summary(),
+            **progress,
+            "mfu": self.mfu.utilization(progress["img_per_s"]),  # over the same epochs as img_per_s
+            "flops_per_image": self.mfu.flops_per_image,
             "device": str(self.device) if self.device else self.cfg.device,
             "world_size": self.ranks.world_size if self.ranks else None,
             "torch": torch.__version__,
@@ -508,6 +525,10 @@ class Trainer:
 
 def _fmt(value: float | None) -> str:
     return "-" if value is None else f"{value:.4f}"
+
+
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
 
 
 def _fit_rank(ranks: Ranks, config: dict, run_dir: str, overrides: list[str]) -> dict:

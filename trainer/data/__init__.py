@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from trainer.data.augment import CIFAR10_MEAN, CIFAR10_STD, crop_and_flip
+from trainer.data.augment import CIFAR10_MEAN, CIFAR10_STD, IMAGE_SIZE, crop_and_flip
 from trainer.data.classic import EpochLoader, torch_loaders
 from trainer.data.gpu import GpuLoader, gpu_loaders
 from trainer.data.sources import (
@@ -30,6 +30,7 @@ __all__ = [
     "DatasetNotFoundError",
     "EpochLoader",
     "GpuLoader",
+    "IMAGE_SIZE",
     "ImageSplit",
     "Normalizer",
     "Splits",

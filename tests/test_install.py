@@ -1,0 +1,75 @@
+"""The package as a user gets it: a wheel built from this checkout, installed into a fresh
+virtual environment (the already installed torch etc. visible to it), run from an empty
+folder with no checkout in sight."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import venv
+
+from conftest import REPO
+
+SMOKE = [
+    "model=cnn",
+    "data=synthetic",
+    "data.train_size=64",
+    "data.test_size=32",
+    "batch_size=32",
+    "epochs=1",
+]
+
+
+def run(*command, cwd=None, env=None) -> subprocess.CompletedProcess:
+    result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result
+
+
+def test_a_built_wheel_runs_from_any_folder_with_the_configs_inside(tmp_path):
+    # Build from a copy: the checkout gets no build/ folder, and the wheel holds only what
+    # an sdist would give it.
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in ("pyproject.toml", "setup.py", "README.md"):
+        shutil.copy(REPO / name, source / name)
+    for name in ("trainer", "conf"):
+        shutil.copytree(REPO / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+    run(
+        sys.executable,
+        "-m",
+        "pip",
+        "wheel",
+        "-q",
+        "--no-deps",
+        "--no-build-isolation",
+        "-w",
+        "dist",
+        str(source),
+        cwd=tmp_path,
+    )
+    [wheel] = (tmp_path / "dist").glob("trainer-*.whl")
+    environment = tmp_path / "venv"
+    venv.create(environment, system_site_packages=True, with_pip=False)
+    python, script = environment / "bin" / "python", environment / "bin" / "trainer"
+    run(sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps", str(wheel))
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {
+        name: value for name, value in os.environ.items() if name not in ("PYTHONPATH", "HYDRA_FULL_ERROR")
+    }
+    where = run(str(python), "-c", "import trainer; print(trainer.__file__)", cwd=elsewhere, env=env)
+    assert where.stdout.startswith(str(environment)), where.stdout  # the wheel's copy, not the checkout
+
+    run(str(python), "-m", "trainer", *SMOKE, cwd=elsewhere, env=env)
+    [metrics] = (elsewhere / "outputs").rglob("metrics.json")
+    assert json.loads(metrics.read_text())["status"] == "completed"
+    assert (metrics.parent / ".hydra" / "config.yaml").is_file()
+
+    help_text = run(str(script), "--help", cwd=elsewhere, env=env).stdout
+    assert "model  cnn, resnet18*" in help_text  # the groups, read from the configs inside the wheel
+    assert [path.name for path in elsewhere.iterdir()] == ["outputs"]

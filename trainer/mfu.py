@@ -1,0 +1,93 @@
+"""Model FLOPs utilization (MFU): the share of the devices' peak FLOP/s that the model's own
+arithmetic uses, images/s x FLOPs per training image / (peak per device x devices).
+
+FLOPs per image are counted once per run by torch.utils.flop_counter, forward and backward
+at the run's batch shape, on a copy of the model built on the meta device: shapes only, so
+no memory, no arithmetic and the real model untouched. The copy has no activation
+checkpointing: its recomputation is work the hardware does, not work the model needs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from trainer import perf
+from trainer.config import ModelConfig, TrainConfig
+from trainer.models import build_model
+
+log = logging.getLogger(__name__)
+
+# Dense peak TFLOP/s per GPU (the datasheets' figures without 2:4 sparsity, which double them),
+# by the precision the matmuls and convolutions run in. Sources: NVIDIA H100 Tensor Core GPU
+# datasheet (SXM5, PCIe, NVL columns), NVIDIA H200 datasheet (SXM, NVL), NVIDIA A100
+# datasheet (SXM4 and PCIe alike). fp32 is the CUDA-core figure, not a Tensor Core one.
+# First row whose name appears in torch.cuda.get_device_name() wins.
+PEAK_TFLOPS: list[tuple[str, dict[str, float]]] = [
+    ("H100 PCIe", {"bf16": 756, "fp16": 756, "tf32": 378, "fp32": 51}),
+    ("H100 NVL", {"bf16": 835, "fp16": 835, "tf32": 417, "fp32": 60}),
+    ("H200 NVL", {"bf16": 835, "fp16": 835, "tf32": 417, "fp32": 60}),
+    ("H100", {"bf16": 989, "fp16": 989, "tf32": 494, "fp32": 67}),  # SXM5
+    ("H200", {"bf16": 989, "fp16": 989, "tf32": 494, "fp32": 67}),  # SXM
+    ("A100", {"bf16": 312, "fp16": 312, "tf32": 156, "fp32": 19.5}),
+]
+
+
+@dataclass(frozen=True)
+class Meter:
+    flops_per_image: float | None = None  # forward + backward, one training image
+    peak_flops: float | None = None  # FLOP/s of all the run's devices together; None: unknown
+
+    def utilization(self, images_per_s: float | None) -> float | None:
+        """A fraction (0.25 is 25%), or None where the peak is unknown."""
+        if self.peak_flops is None or self.flops_per_image is None or images_per_s is None:
+            return None
+        return images_per_s * self.flops_per_image / self.peak_flops
+
+
+def flops_per_image(model_cfg: ModelConfig, num_classes: int, batch_shape: tuple[int, ...]) -> float:
+    """Forward + backward FLOPs per image of the model, at this batch shape."""
+    plain = dataclasses.replace(model_cfg, grad_checkpointing=False, conv_bias=True)  # bias: not counted
+    with torch.device("meta"):
+        model = build_model(plain, num_classes)
+        images = torch.empty(batch_shape)
+    with FlopCounterMode(display=False) as counter:
+        model(images).sum().backward()
+    return counter.get_total_flops() / batch_shape[0]
+
+
+def precision(cfg: TrainConfig, device: torch.device) -> str:
+    """What the matmuls and convolutions run in: the autocast dtype, else tf32 or fp32."""
+    dtype = perf.amp_dtype(cfg, device)
+    if dtype is not None:
+        return "bf16" if dtype == torch.bfloat16 else "fp16"
+    return "tf32" if cfg.tf32 else "fp32"
+
+
+def peak_tflops(device_name: str, precision_name: str) -> float | None:
+    for name, peaks in PEAK_TFLOPS:
+        if name in device_name:
+            return peaks[precision_name]
+    return None
+
+
+def meter(cfg: TrainConfig, device: torch.device, flops: float, world_size: int) -> Meter:
+    """The run's MFU meter; where the device's peak is unknown, one log line says so."""
+    if device.type != "cuda":
+        log.info("MFU not reported: no peak FLOP/s known for %s (mfu is null)", device)
+        return Meter(flops)
+    name, precision_name = torch.cuda.get_device_name(device), precision(cfg, device)
+    tflops = peak_tflops(name, precision_name)
+    if tflops is None:
+        log.info(
+            "MFU not reported: no peak FLOP/s known for %s in %s (mfu is null); trainer/mfu.py "
+            "lists the known ones",
+            name,
+            precision_name,
+        )
+        return Meter(flops)
+    return Meter(flops, tflops * 1e12 * world_size)
