@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 import trainer.__main__ as cli
 from trainer.config import ConfigError, to_train_config
+from trainer.trainer import Trainer
 
 # case id -> (overrides after SMALL, the key its error line must name); {file} is a regular
 # file, {weights} a plain state_dict, {finished} a finished run of the cnn with SGD.
@@ -38,7 +39,8 @@ BAD_VALUES = {
     "max-steps-negative": (["max_steps=-3"], "max_steps"),
     "workers-negative": (["num_workers=-1"], "num_workers"),
     "prefetch-zero": (["num_workers=2", "prefetch_factor=0"], "prefetch_factor"),
-    "persistent-without-workers": (["persistent_workers=true"], "persistent_workers"),
+    "persistent-without-workers": (["num_workers=0", "persistent_workers=true"], "persistent_workers"),
+    "workers-not-a-number": (["num_workers=many"], "num_workers"),
     "devices-zero": (["devices=0"], "devices"),
     "ddp-on-cpu-without-devices": (["ddp=true", "device=cpu"], "devices"),
     "nccl-on-cpu": (["ddp=true", "devices=2", "device=cpu", "ddp_backend=nccl"], "ddp_backend"),
@@ -164,7 +166,7 @@ def test_a_read_only_run_folder_is_refused_before_hydra(run_dir, tmp_path, monke
 def test_a_learning_rate_of_zero_is_allowed_with_a_warning(tmp_path, caplog):
     caplog.set_level(logging.WARNING)
 
-    cli.Trainer(compose_config("optim.lr=0"), tmp_path / "run").build()
+    Trainer(compose_config("optim.lr=0"), tmp_path / "run").build()
 
     assert [record.getMessage() for record in caplog.records if record.name == "trainer.optim"] == [
         "optim.lr=0: the weights will not change; set e.g. optim.lr=0.05 to train"

@@ -68,7 +68,7 @@ def test_help_lists_the_groups_and_points_to_every_key(tmp_path):
         "  data   cifar10*, imagefolder, synthetic",
         "  model  cnn*, resnet18",
         "  optim  adamw, sgd*",
-        "  perf   baseline*, fast",
+        "  perf   baseline, default*, fast",
     ]
     assert "_schema" not in help_text
     assert "python -m trainer [group=option ...] --cfg job" in help_text

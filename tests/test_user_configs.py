@@ -63,7 +63,7 @@ def test_the_check_searches_the_users_config_dir_and_lists_its_presets(my_conf):
         check_command_line(["--config-dir", str(my_conf), "perf=my_presett"])
 
     assert str(caught.value) == (
-        "unknown perf 'my_presett': choose perf=baseline or perf=fast or perf=my_preset"
+        "unknown perf 'my_presett': choose perf=baseline or perf=default or perf=fast or perf=my_preset"
     )
 
 

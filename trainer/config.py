@@ -164,7 +164,8 @@ class TrainConfig:
     deterministic: bool = False  # deterministic algorithms, no cudnn autotuning
     log_every: int = 50  # optimizer steps between loss logs, progress updates and NaN checks
 
-    # Optimization toggles. All off is a plain PyTorch loop (the `perf=baseline` preset).
+    # Optimization toggles. All off is a plain PyTorch loop (the `perf=baseline` preset); the
+    # defaults feed the GPU (workers, pinned memory, non-blocking copies) and leave the rest off.
     amp: bool = False  # torch.autocast mixed precision
     amp_dtype: AmpDtype = AmpDtype.auto
     grad_accum_steps: int = 1  # micro-batches of batch_size per optimizer step
@@ -172,10 +173,10 @@ class TrainConfig:
     # DataLoader worker processes; auto: 4 per GPU, capped by the cores per process less one
     # (0 on a CPU device, where the training step uses every core)
     num_workers: Any = "auto"
-    pin_memory: bool = False  # page-locked host batches (CUDA only)
+    pin_memory: bool = True  # page-locked host batches (CUDA only)
     persistent_workers: bool = False  # keep workers alive between epochs (num_workers > 0)
     prefetch_factor: int | None = None  # batches each worker loads ahead (num_workers > 0)
-    non_blocking: bool = False  # asynchronous host-to-device copies
+    non_blocking: bool = True  # asynchronous host-to-device copies (CUDA only)
     channels_last: bool = False  # NHWC memory format for model and inputs
     cudnn_benchmark: bool = False  # let cuDNN time its algorithms for each input shape
     tf32: bool = False  # TensorFloat-32 matmuls and convolutions on Ampere+
