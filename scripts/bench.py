@@ -115,7 +115,6 @@ SECTIONS: dict[str, list[Row]] = {
         Row("- cudnn_benchmark", ["perf=fast", "cudnn_benchmark=false"]),
         Row("- tf32", ["perf=fast", "tf32=false"]),
         Row("- fused_optimizer", ["perf=fast", "fused_optimizer=false"]),
-        Row("- set_to_none", ["perf=fast", "set_to_none=false"]),
         Row("- conv_bias=false", ["perf=fast", "model.conv_bias=true"]),
     ],
     "files": [

@@ -176,6 +176,7 @@ SCHEMA_ERRORS = [
     (["num_workers=many"], "num_workers must be auto or a whole number >= 0, got 'many'"),
     (["data.loader=gpu", "data.decode=every_epoch"], "data.loader=gpu holds the decoded images on the"),
     (["device=gpu"], "device must be auto, cpu, cuda or cuda:N, got 'gpu'"),
+    (["perf=fast", "set_to_none=false"], "compile_mode=reduce_overhead replays CUDA graphs, whose gradient"),
     (["num_workers=0", "persistent_workers=true"], "need worker processes: set num_workers=2"),
     (["data=cifar10", "data.root=null"], "data=cifar10 needs a folder: set data.root=/path/to/data"),
     (["data.train_size=0"], "data.train_size and data.test_size must be at least 1"),

@@ -224,6 +224,15 @@ class TrainConfig:
             raise ConfigError(
                 "data.loader=gpu holds the decoded images on the device: set data.decode=once (or auto)"
             )
+        graph_modes = (CompileMode.reduce_overhead, CompileMode.max_autotune)
+        if self.compile and self.compile_mode in graph_modes and not self.set_to_none:
+            # The first backward hands the graph's own output buffers to .grad; zeroing them in
+            # place keeps them, and the next replay overwrites them mid-step (a RuntimeError).
+            raise ConfigError(
+                f"compile_mode={self.compile_mode.name} replays CUDA graphs, whose gradient buffers "
+                "must be dropped between steps, not zeroed: set set_to_none=true, or "
+                "compile_mode=max_autotune_no_cudagraphs"
+            )
         if self.data.source is DataSource.synthetic and min(self.data.train_size, self.data.test_size) < 1:
             raise ConfigError("data.train_size and data.test_size must be at least 1")
         if not 0 <= self.seed <= MAX_SEED:

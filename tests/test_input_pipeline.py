@@ -1,0 +1,134 @@
+"""The input pipeline: class folders decoded once (in parallel, optionally kept on disk) give
+the same batches as decoding file by file; a corrupt image is one line naming the file; the
+worker count that num_workers=auto picks."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+import pytest
+import torch
+from conftest import SMALL, compose_config, run_cli
+from PIL import Image
+
+from trainer import Trainer
+from trainer.config import to_train_config
+from trainer.data import CorruptImageError, load_source, torch_loaders
+from trainer.perf import worker_count
+
+CLASSES = ("cat", "dog", "ship")
+
+
+@pytest.fixture
+def image_folder(tmp_path):
+    """train/ and test/ class folders of small PNGs and JPEGs, one of another size (resized)."""
+    random = np.random.default_rng(0)
+    for split, count in (("train", 16), ("test", 6)):
+        for label, name in enumerate(CLASSES):
+            folder = tmp_path / "images" / split / name
+            folder.mkdir(parents=True)
+            for index in range(count):
+                pixels = random.integers(0, 256, (32, 32, 3), dtype=np.uint8) // (label + 1)
+                Image.fromarray(pixels).save(folder / f"{index}.png")
+    Image.fromarray(random.integers(0, 256, (48, 40, 3), dtype=np.uint8)).save(
+        tmp_path / "images" / "train" / "cat" / "large.jpg"
+    )
+    return tmp_path / "images"
+
+
+def data_config(root, *overrides: str):
+    return to_train_config(compose_config("data=imagefolder", f"data.root={root}", *overrides)).data
+
+
+def epoch_batches(splits, epoch: int, **loader_kwargs) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    train, _ = torch_loaders(splits, True, 8, 0, 0, 1, loader_kwargs)
+    train.set_epoch(epoch)
+    return list(train)
+
+
+def test_decoding_once_gives_the_batches_of_decoding_every_epoch(image_folder):
+    once = load_source(data_config(image_folder, "data.decode=once"), seed=0, processes=2)
+    every_epoch = load_source(data_config(image_folder, "data.decode=every_epoch"), seed=0)
+
+    assert once.train.images.shape == (49, 3, 32, 32) and every_epoch.train.images is None
+    assert once.classes == list(CLASSES) and len(every_epoch.test) == 18
+    for epoch in (0, 1):
+        held = epoch_batches(once, epoch)
+        decoded = epoch_batches(every_epoch, epoch, num_workers=2)
+        assert len(held) == len(decoded) == 49 // 8
+        for (a, labels_a), (b, labels_b) in zip(held, decoded):
+            assert a.dtype == torch.uint8 and torch.equal(a, b) and torch.equal(labels_a, labels_b)
+
+
+def test_decoded_images_are_kept_for_the_next_run_until_a_file_changes(image_folder, caplog):
+    caplog.set_level(logging.INFO)
+    cfg = data_config(image_folder, "data.decode_cache=true")
+
+    first = load_source(cfg, seed=0)
+    kept = sorted(path.name for path in (image_folder / ".trainer-cache").iterdir())
+    again = load_source(cfg, seed=0)
+    os.utime(image_folder / "train" / "dog" / "3.png", ns=(0, 0))
+    after_change = load_source(cfg, seed=0)
+
+    assert [name.split("-")[0] for name in kept] == ["test", "train"]
+    assert torch.equal(first.train.images, again.train.images)
+    assert torch.equal(first.train.images, after_change.train.images)
+    assert caplog.text.count("decoded 49 images of") == 2  # the first run and after the change
+    assert caplog.text.count("read 49 decoded images") == 1 and caplog.text.count("read 18 decoded") == 2
+    assert len(list((image_folder / ".trainer-cache").glob("train-*.npy"))) == 2  # a new fingerprint
+    assert not list((image_folder / ".trainer-cache").glob("*.tmp"))
+
+
+@pytest.mark.parametrize(
+    "decode, workers", [("once", 0), ("every_epoch", 0), ("every_epoch", 2)], ids=["once", "files", "workers"]
+)
+def test_a_corrupt_image_is_one_line_naming_the_file(image_folder, tmp_path, decode, workers):
+    corrupt = image_folder / "test" / "dog" / "5.png"  # every test image is read, in any mode
+    corrupt.write_bytes(b"not a png")
+    cfg = compose_config(
+        "data=imagefolder", f"data.root={image_folder}", f"data.decode={decode}", f"num_workers={workers}"
+    )
+
+    with pytest.raises(CorruptImageError) as caught:
+        Trainer(cfg, tmp_path / "run").fit()
+
+    assert str(caught.value).startswith(f"cannot decode image {corrupt} (cannot identify image file")
+    assert str(caught.value).endswith("remove or replace the file, then run again")
+    assert "\n" not in str(caught.value)
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_corrupt_image_stops_the_command_before_training(image_folder, tmp_path):
+    corrupt = image_folder / "test" / "ship" / "0.png"
+    corrupt.write_bytes(b"\x89PNG broken")
+
+    result = run_cli(*SMALL, "data=imagefolder", f"data.root={image_folder}", cwd=tmp_path)
+
+    errors = [line for line in result.stderr.splitlines() if "ERROR" in line]
+    assert result.returncode == 1 and "Traceback" not in result.stdout + result.stderr
+    assert len(errors) == 1 and f"cannot decode image {corrupt}" in errors[0]
+    assert not list(tmp_path.rglob("*.pt"))
+    assert "epoch 1/1" not in result.stdout  # found while loading, not after an epoch
+
+
+@pytest.mark.parametrize(
+    "device, cores, processes, expected",
+    [("cpu", 16, 1, 0), ("cuda", 16, 1, 4), ("cuda", 32, 2, 4), ("cuda", 6, 2, 2), ("cuda", 2, 1, 1)],
+)
+def test_num_workers_auto(monkeypatch, device, cores, processes, expected):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(cores)))
+    cfg = to_train_config(compose_config())
+
+    assert cfg.num_workers == "auto"
+    assert worker_count(cfg, torch.device(device), processes) == expected
+    assert worker_count(to_train_config(compose_config("num_workers=3")), torch.device(device), 1) == 3
+
+
+def test_baseline_turns_the_input_pipeline_off_and_the_default_turns_it_on():
+    baseline, default = (to_train_config(compose_config(f"perf={name}")) for name in ("baseline", "default"))
+
+    assert (baseline.num_workers, baseline.pin_memory, baseline.non_blocking) == (0, False, False)
+    assert (default.num_workers, default.pin_memory, default.non_blocking) == ("auto", True, True)
+    assert to_train_config(compose_config()) == default  # perf=default is what runs without a preset
