@@ -166,6 +166,7 @@ def run_once(row: Row, data: list[str], model: str, epochs: int, run_dir: Path, 
         "img_per_s": statistics.median(r["img_per_s"] for r in timed),
         "peak_mem_mb": metrics.get("peak_mem_mb"),
         "data_wait_frac": statistics.median(waits) if waits else None,
+        "test_acc": metrics.get("test_acc"),
     }
 
 
@@ -218,10 +219,11 @@ def table(rows: list[dict]) -> str:
         for r in members:
             rate = r.get("img_per_s")
             speedup = rate / reference if rate and reference else None
-            spread = f"{r['min_img_per_s']:,.0f}-{r['max_img_per_s']:,.0f}" if rate and r["runs"] > 1 else ""
+            runs = int(r["runs"])
+            spread = f"{r['min_img_per_s']:,.0f}-{r['max_img_per_s']:,.0f}" if rate and runs > 1 else ""
             status = "" if r["status"] == "completed" else f" ({r['status']})"
             lines.append(
-                f"| {r['row']}{status} | {r['settings']} | {r['runs']} | {fmt(rate, ',.0f')} | {spread} | "
+                f"| {r['row']}{status} | {r['settings']} | {runs} | {fmt(rate, ',.0f')} | {spread} | "
                 f"{fmt(speedup, '.2f')}{'x' if speedup else ''} | {fmt(r.get('peak_mem_mb'), ',.0f')} | "
                 f"{fmt(r.get('data_wait_frac'), '.1%')} |"
             )

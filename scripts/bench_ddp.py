@@ -21,7 +21,7 @@ from datetime import datetime
 from pathlib import Path
 
 import torch
-from bench import environment, fmt, run_row  # rows run on bench.py's synthetic CIFAR-shaped data
+from bench import SYNTHETIC, Row, environment, fmt, run_once
 
 LOADERS = {
     "gpu": ["data.loader=gpu"],
@@ -47,8 +47,9 @@ def scaling(out: Path, epochs: int, timeout_s: float) -> list[str]:
         single = None
         for count in gpu_counts(torch.cuda.device_count()):
             ddp = ["ddp=true", f"devices={count}"] if count > 1 else []
-            row = run_row(
-                f"{loader}-{count}gpu", [*SETTINGS, *overrides, *ddp], "resnet18", epochs, out, timeout_s
+            name = f"{loader}-{count}gpu"
+            row = run_once(
+                Row(name, [*SETTINGS, *overrides, *ddp]), SYNTHETIC, "resnet18", epochs, out / name, timeout_s
             )
             rate = row.get("img_per_s")
             single = rate if count == 1 else single
@@ -66,7 +67,6 @@ def accuracy(out: Path, root: Path, epochs: int, timeout_s: float) -> list[str]:
         "data=imagefolder",
         f"data.root={root}",
         "data.loader=gpu",
-        "log_every=100",
         "amp=true",
         "amp_dtype=bf16",
         "channels_last=true",
@@ -82,14 +82,9 @@ def accuracy(out: Path, root: Path, epochs: int, timeout_s: float) -> list[str]:
     ):
         accuracies = []
         for seed in (0, 1):
-            row = run_row(
-                f"acc-{len(overrides)}-{seed}",
-                [*overrides, f"seed={seed}"],
-                "resnet18",
-                epochs,
-                out,
-                timeout_s,
-                common=common,
+            name = f"acc-{len(overrides)}-{seed}"
+            row = run_once(
+                Row(name, [*overrides, f"seed={seed}"]), common, "resnet18", epochs, out / name, timeout_s
             )
             accuracies.append(row.get("test_acc"))
         shown = ", ".join(fmt(a, ".3f") for a in accuracies)
