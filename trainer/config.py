@@ -81,6 +81,13 @@ class DdpBackend(Enum):
     gloo = "gloo"
 
 
+class DdpCommHook(Enum):
+    none = "none"  # all-reduce the fp32 gradients as they are
+    bf16 = "bf16"  # cast each gradient bucket to bf16 for the all-reduce (half the bytes)
+    fp16 = "fp16"  # cast each gradient bucket to fp16 for the all-reduce (half the bytes)
+    powersgd = "powersgd"  # rank-1 PowerSGD compression with error feedback, after 10 plain steps
+
+
 @dataclass
 class ModelConfig:
     name: ModelName = ModelName.resnet18  # picked by the `model=` group
@@ -187,8 +194,16 @@ class TrainConfig:
     profile: bool = False  # torch.profiler over a few steps; trace saved in the run folder
 
     ddp: bool = False  # DistributedDataParallel over `devices` processes
-    devices: int | None = None  # processes for ddp (null: every GPU; required on CPU)
+    # GPUs for ddp (a process each) or data_parallel (null: every GPU); with ddp on CPU: processes
+    devices: int | None = None
     ddp_backend: DdpBackend = DdpBackend.auto
+    ddp_max_restarts: int = 0  # restart the ranks from the run's last checkpoint after one dies, N times
+    ddp_comm_hook: DdpCommHook = DdpCommHook.none  # gradient compression for DDP's all-reduce
+    ddp_bucket_cap_mb: float = 25.0  # DDP gradient bucket size: one all-reduce per bucket
+    ddp_gradient_as_bucket_view: bool = False  # .grad are views into DDP's buckets: no copy, less memory
+    ddp_static_graph: bool = False  # the same graph every step: DDP plans its buckets once
+    # nn.DataParallel over `devices` GPUs in one process (null: all); batch_size is split between them
+    data_parallel: bool = False
 
     def __post_init__(self) -> None:
         positive = ("epochs", "batch_size", "eval_every", "grad_accum_steps", "log_every")
@@ -216,6 +231,17 @@ class TrainConfig:
             raise ConfigError(f"prefetch_factor must be null or at least 1, got {self.prefetch_factor}")
         if self.devices is not None and self.devices < 1:
             raise ConfigError(f"devices must be null or at least 1, got {self.devices}")
+        if self.ddp_max_restarts < 0:
+            raise ConfigError(f"ddp_max_restarts must be 0 or more, got {self.ddp_max_restarts}")
+        if not (math.isfinite(self.ddp_bucket_cap_mb) and self.ddp_bucket_cap_mb > 0):
+            raise ConfigError(
+                f"ddp_bucket_cap_mb must be above 0, got {self.ddp_bucket_cap_mb}: set ddp_bucket_cap_mb=25"
+            )
+        if self.ddp and self.data_parallel:
+            raise ConfigError(
+                "ddp=true and data_parallel=true both spread the batch over the devices: "
+                "set data_parallel=false (DDP, one process per device) or ddp=false"
+            )
         if self.data.source is not DataSource.synthetic and not self.data.root:
             raise ConfigError(f"data={self.data.source.value} needs a folder: set data.root=/path/to/data")
         if self.data.loader is LoaderKind.gpu and self.num_workers not in (0, "auto"):

@@ -2,20 +2,21 @@
 
 Launching from inside the Hydra job (rather than torchrun around Hydra) keeps one run
 folder per run and makes `-m` sweeps safe: each job makes and tears down its own group.
-A rank that fails ends the whole run: the launcher terminates the others, then kills
-what is left after a grace period, so no process outlives the run.
+The launch is torch.distributed.elastic's, the engine under torchrun, with a c10d rendezvous
+on a free local port: a rank that fails ends every rank (SIGTERM, then SIGKILL after a grace
+period), so no process outlives the run; with restarts the group starts again instead.
 """
 
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
 import os
+import shutil
 import signal
 import socket
 import sys
-import time
-import traceback
+import tempfile
+import uuid
 from collections.abc import Callable
 from contextlib import closing
 from dataclasses import dataclass
@@ -28,7 +29,9 @@ from trainer.torchrun_env import started_by_torchrun  # noqa: F401 - part of thi
 
 log = logging.getLogger(__name__)
 
-KILL_GRACE_S = 10.0
+# Seconds the ranks get to stop at a step and save after SIGTERM/SIGINT, before SIGKILL.
+STOP_GRACE_S = 60
+STOPPED_EXIT_CODE = 130  # a rank that stopped at a step and saved, as asked
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,10 @@ class Ranks:
 
 class WorkerFailed(TrainerError):
     pass
+
+
+class LaunchStopped(TrainerError):
+    """SIGINT or SIGTERM reached the launcher; the ranks were asked to stop and save."""
 
 
 def torchrun_ranks() -> Ranks:
@@ -101,93 +108,87 @@ def all_reduce_sum(tensor: torch.Tensor, ranks: Ranks) -> torch.Tensor:
     return tensor
 
 
-def _worker(rank: int, world_size: int, port: int, target: Callable, args: tuple, results) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-    )
+def _elastic_worker(target: Callable, args: tuple) -> object:
+    """One rank, started by the elastic agent (which set RANK, WORLD_SIZE, LOCAL_RANK, ...)."""
+    ranks = torchrun_ranks()
     # Without this, every CPU rank starts one thread per core and they fight (~60x slower).
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
     try:
-        results.put((rank, "ok", target(Ranks(rank, world_size, rank), *args)))
-    except BaseException as error:  # noqa: BLE001 - reported to the launcher, then exit non-zero
-        message = str(error).splitlines()[0] if str(error) else type(error).__name__
-        if not isinstance(error, TrainerError):
-            message = f"{type(error).__name__}: {message}"
-            traceback.print_exc()
-        results.put((rank, "error", message))
+        return target(ranks, *args)
+    except TrainerError as error:  # the user's to fix: one line for the launcher, no traceback
+        from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+
+        get_error_handler().record_exception(error)
         sys.stderr.flush()
-        os._exit(1)
+        sys.exit(1)
 
 
-def launch(world_size: int, target: Callable, args: tuple) -> object:
-    """Run target(ranks, *args) in `world_size` fresh processes; return rank 0's result.
+def restart_count() -> int:
+    """How often the elastic agent has restarted this rank's group (0 on the first start)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
-    Ctrl-C reaches the workers directly (same process group) and they stop together;
-    SIGTERM to this process is passed on to them.
+
+def launch(world_size: int, target: Callable, args: tuple, max_restarts: int = 0) -> object:
+    """Run target(ranks, *args) in `world_size` processes on this host; return rank 0's result.
+
+    A rank that dies restarts the whole group up to `max_restarts` times (the target sees
+    restart_count() > 0). SIGINT/SIGTERM to this process reach the ranks, which stop at a step
+    and save; then LaunchStopped is raised here.
     """
-    context = mp.get_context("spawn")
-    results = context.SimpleQueue()
-    port = free_port()
-    processes = [
-        context.Process(target=_worker, args=(rank, world_size, port, target, args, results), daemon=False)
-        for rank in range(world_size)
-    ]
-    for process in processes:
-        process.start()
-    previous_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    previous_term = signal.signal(signal.SIGTERM, lambda *_: _forward_sigterm(processes))
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    error_files = tempfile.mkdtemp(prefix="trainer-elastic-")
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=world_size,
+        run_id=f"trainer-{uuid.uuid4().hex[:12]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"127.0.0.1:{free_port()}",
+        max_restarts=max_restarts,
+        monitor_interval=0.2,
+        start_method="spawn",
+        logs_specs=DefaultLogsSpecs(log_dir=error_files),
+        signals_to_handle="SIGTERM,SIGINT",
+        shutdown_timeout=STOP_GRACE_S,
+    )
+    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return _supervise(processes, results)
+        return elastic_launch(config, _elastic_worker)(target, args)[0]
+    except ChildFailedError as error:
+        if all(failure.exitcode == STOPPED_EXIT_CODE for failure in error.failures.values()):
+            raise LaunchStopped("the ranks stopped at a step, as asked") from None
+        rank, message = _cause(error)
+        raise WorkerFailed(f"rank {rank} failed: {message}") from None
+    except SignalException as stop:
+        raise LaunchStopped(f"stopped by {stop.sigval.name}") from None
     finally:
-        signal.signal(signal.SIGINT, previous_int)
-        signal.signal(signal.SIGTERM, previous_term)
-        _terminate(processes)
+        for signum, handler in previous.items():  # the agent leaves its own handlers installed
+            signal.signal(signum, handler)
+        shutil.rmtree(error_files, ignore_errors=True)
 
 
-def _supervise(processes: list, results) -> object:
-    outcomes: dict[int, tuple[str, object]] = {}
-    while True:
-        while not results.empty():
-            rank, status, payload = results.get()
-            outcomes[rank] = (status, payload)
-        failed = [p for p in processes if p.exitcode not in (None, 0)]
-        if failed or all(p.exitcode == 0 for p in processes):
-            break
-        time.sleep(0.2)
-    _terminate(processes)
-    while not results.empty():
-        rank, status, payload = results.get()
-        outcomes[rank] = (status, payload)
-    errors = [(rank, payload) for rank, (status, payload) in outcomes.items() if status == "error"]
-    if errors:  # the first to fail is the cause; later ones are usually its echo (a broken collective)
-        rank, message = errors[0]
-        raise WorkerFailed(f"rank {rank} failed: {message}")
-    if failed:
-        codes = ", ".join(f"rank {processes.index(p)} exit code {p.exitcode}" for p in failed)
-        raise WorkerFailed(f"a DDP worker died without a report ({codes})")
-    return outcomes[0][1]
+def _trainer_error_names() -> set[str]:
+    names, pending = set(), [TrainerError]
+    while pending:
+        cls = pending.pop()
+        names.add(cls.__name__)
+        pending.extend(cls.__subclasses__())
+    return names
 
 
-def _forward_sigterm(processes: list) -> None:
-    """Workers stop at their next check, save a checkpoint and exit; the launcher waits."""
-    for process in processes:
-        if process.is_alive():
-            process.terminate()
-
-
-def _terminate(processes: list) -> None:
-    """SIGTERM the live workers, then SIGKILL whatever is still there after the grace period."""
-    alive = [p for p in processes if p.is_alive()]
-    for process in alive:
-        process.terminate()
-    deadline = time.monotonic() + KILL_GRACE_S
-    for process in alive:
-        process.join(max(0.0, deadline - time.monotonic()))
-    for process in alive:
-        if process.is_alive():
-            process.kill()
-            process.join()
+def _cause(error) -> tuple[int, str]:
+    """The failure to report: a user error if a rank had one (the others' broken collectives
+    are its echo), else the earliest; its message in one line."""
+    user_errors = _trainer_error_names()
+    reports = []
+    for rank, failure in error.failures.items():
+        message = failure.message["message"] if isinstance(failure.message, dict) else failure.message
+        kind, _, text = message.partition(": ")
+        user = kind in user_errors
+        line = ((text if user else message).strip() or f"exit code {failure.exitcode}").splitlines()[0]
+        reports.append((not user, failure.timestamp, rank, line))
+    _, _, rank, message = min(reports)
+    return rank, message

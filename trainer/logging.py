@@ -31,6 +31,12 @@ def write_json_atomic(path: Path, data: dict) -> None:
     os.replace(temporary, path)
 
 
+def read_metrics(run_dir: Path) -> dict:
+    """A run folder's metrics.json ({} when it has none)."""
+    path = Path(run_dir) / METRICS
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
 def flatten(config: dict, prefix: str = "") -> dict:
     """Nested config -> {'data.root': ...}; lists as strings, None as 'null' (for HParams)."""
     flat = {}

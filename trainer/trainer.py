@@ -14,6 +14,7 @@ import math
 import os
 import random
 import signal
+import sys
 import time
 from datetime import datetime
 from pathlib import Path
@@ -22,13 +23,12 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from trainer import checkpoint, distributed, mfu, perf
 from trainer.config import ConfigError, LoaderKind, TrainConfig, TrainerError, to_train_config
 from trainer.data import IMAGE_SIZE, gpu_loaders, load_source, torch_loaders
 from trainer.distributed import Ranks
-from trainer.logging import RunLog, SilentRunLog, configure_rank_logging, write_json_atomic
+from trainer.logging import RunLog, SilentRunLog, configure_rank_logging, read_metrics, write_json_atomic
 from trainer.models import build_model
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.progress import Progress
@@ -128,7 +128,13 @@ class Trainer:
         distributed.backend_for(self.cfg, device_type)  # refuse impossible backends before spawning
         world_size = distributed.world_size_for(self.cfg, device_type)
         log.info("ddp: launching %d processes (%s)", world_size, device_type)
-        metrics = distributed.launch(world_size, _fit_rank, (self.config, str(self.run_dir), self.overrides))
+        arguments = (self.config, str(self.run_dir), self.overrides)
+        try:
+            metrics = distributed.launch(world_size, _fit_rank, arguments, self.cfg.ddp_max_restarts)
+        except distributed.LaunchStopped:
+            metrics = read_metrics(self.run_dir)  # rank 0's, written as it stopped and saved
+            if metrics.get("status") != "interrupted":
+                raise
         self.status = metrics["status"]
         return metrics
 
@@ -207,10 +213,9 @@ class Trainer:
         self.raw_model = build_model(cfg.model, num_classes=len(splits.classes))
         wrap_ddp = None
         if ranks.world_size > 1:
-            distributed_device = [device.index] if device.type == "cuda" else None
 
             def wrap_ddp(module: nn.Module) -> nn.Module:
-                self.ddp_model = DistributedDataParallel(module, device_ids=distributed_device)
+                self.ddp_model = perf.distributed_data_parallel(cfg, module, device)
                 return self.ddp_model
 
         self.model = perf.prepare_model(cfg, self.raw_model, device, wrap_ddp)
@@ -532,6 +537,14 @@ def _percent(value: float | None) -> str:
 
 
 def _fit_rank(ranks: Ranks, config: dict, run_dir: str, overrides: list[str]) -> dict:
-    """One launched DDP process: its own Trainer inside the process group."""
+    """One launched DDP process: its own Trainer inside the process group. After a restart
+    (ddp_max_restarts) the group continues from the run's own last checkpoint."""
     configure_rank_logging(ranks, Path(run_dir))
-    return Trainer(config, run_dir, ranks=ranks, overrides=overrides).fit()
+    saved = Path(run_dir) / checkpoint.CHECKPOINT
+    if distributed.restart_count() > 0 and saved.is_file():
+        log.warning("restart %d: resuming from %s", distributed.restart_count(), saved)
+        config = {**config, "resume": run_dir}
+    metrics = Trainer(config, run_dir, ranks=ranks, overrides=overrides).fit()
+    if metrics["status"] == "interrupted":  # the agent that relayed the stop reads no results
+        sys.exit(distributed.STOPPED_EXIT_CODE)
+    return metrics
