@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from PIL import Image
 
 from trainer import Trainer
 from trainer.config import ConfigError
+from trainer.distributed import free_port
 
 DDP = ["ddp=true", "devices=2"]
 
@@ -163,44 +165,99 @@ def test_a_failing_rank_ends_the_whole_run(tmp_path):
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
-def test_ddp_resume_after_a_stop_matches_the_uninterrupted_run(tmp_path):
-    args = [*SMALL, *DDP, "deterministic=true", "epochs=3", "data.train_size=512", "log_every=1"]
-    args = [a for a in args if not a.startswith("epochs=1")]
-    environment = cli_environment({"OMP_NUM_THREADS": "1"})
-    stopped = tmp_path / "stopped"
+# 3 epochs of 16 steps on 2 ranks, deterministic: the reference for the stopped and the restarted run
+THREE_EPOCHS = [
+    *[a for a in SMALL if not a.startswith(("epochs=", "data.train_size="))],
+    *DDP,
+    "deterministic=true",
+    "epochs=3",
+    "data.train_size=1024",
+    "log_every=1",
+]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("whole") / "run"
+    whole = run_cli(
+        *THREE_EPOCHS, f"hydra.run.dir={run_dir}", cwd=run_dir.parent, env={"OMP_NUM_THREADS": "1"}
+    )
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    return run_dir
+
+
+def start_and_wait_for_epoch_one(args: list[str], run_dir: Path, env: dict) -> subprocess.Popen:
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "trainer", *args, f"hydra.run.dir={stopped}"],
-        cwd=tmp_path,
-        env=environment,
+        [sys.executable, "-m", "trainer", *args, f"hydra.run.dir={run_dir}"],
+        cwd=run_dir.parent,
+        env=cli_environment(env),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
     )
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:  # stop it once the first epoch is recorded
-        if (stopped / "metrics.json").exists() and json.loads((stopped / "metrics.json").read_text())[
-            "epochs"
-        ] >= 1:
+    while time.monotonic() < deadline:  # until the first epoch is recorded (and checkpointed)
+        metrics = run_dir / "metrics.json"
+        if metrics.exists() and json.loads(metrics.read_text()).get("epochs", 0) >= 1:
             break
-        time.sleep(0.1)
+        time.sleep(0.02)
+    return launcher
+
+
+def assert_same_weights(run_dir: Path, reference: Path) -> None:
+    final, expected = read_metrics(run_dir), read_metrics(reference)
+    assert (final["status"], final["epochs"], final["steps"]) == ("completed", 3, expected["steps"])
+    for name, tensor in model_tensors(reference).items():
+        torch.testing.assert_close(model_tensors(run_dir)[name], tensor, rtol=1e-5, atol=1e-6)
+
+
+def test_ddp_resume_after_a_stop_matches_the_uninterrupted_run(tmp_path, uninterrupted):
+    stopped = tmp_path / "stopped"
+    launcher = start_and_wait_for_epoch_one(THREE_EPOCHS, stopped, {"OMP_NUM_THREADS": "1"})
     launcher.send_signal(signal.SIGTERM)
     output = launcher.communicate(timeout=120)[0].decode()
     assert launcher.returncode == 130, output[-2000:]
     assert read_metrics(stopped)["status"] == "interrupted"
 
     resumed = run_cli(
-        *args,
+        *THREE_EPOCHS,
         f"resume={stopped}",
         f"hydra.run.dir={tmp_path / 'resumed'}",
         cwd=tmp_path,
         env={"OMP_NUM_THREADS": "1"},
     )
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    whole = run_cli(*args, f"hydra.run.dir={tmp_path / 'whole'}", cwd=tmp_path, env={"OMP_NUM_THREADS": "1"})
-    assert whole.returncode == 0
-    final, reference = read_metrics(tmp_path / "resumed"), read_metrics(tmp_path / "whole")
-    assert (final["status"], final["epochs"], final["steps"]) == ("completed", 3, reference["steps"])
-    for name, tensor in model_tensors(tmp_path / "whole").items():
-        torch.testing.assert_close(model_tensors(tmp_path / "resumed")[name], tensor, rtol=1e-5, atol=1e-6)
+    assert_same_weights(tmp_path / "resumed", uninterrupted)
+
+
+def launched_ranks(launcher_pid: int) -> list[int]:
+    """The launcher's children that run a rank (multiprocessing spawn children, not its helpers)."""
+    ranks = []
+    for proc in Path("/proc").iterdir():
+        try:
+            parent = (
+                int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1]) if proc.name.isdigit() else 0
+            )
+            if parent == launcher_pid and b"spawn_main" in (proc / "cmdline").read_bytes():
+                ranks.append(int(proc.name))
+        except OSError:
+            pass
+    return ranks
+
+
+def test_a_killed_rank_restarts_the_group_from_the_last_checkpoint(tmp_path, uninterrupted):
+    """kill -9 of one rank in epoch 2 of 3: with ddp_max_restarts=1 the elastic agent starts both
+    ranks again, they resume from checkpoints/last.pt (epoch 1) and end where an uninterrupted
+    run ends."""
+    run_dir = tmp_path / "restarted"
+    launcher = start_and_wait_for_epoch_one([*THREE_EPOCHS, "ddp_max_restarts=1"], run_dir, {})
+    victims = launched_ranks(launcher.pid)
+    assert len(victims) == 2
+    os.kill(victims[-1], signal.SIGKILL)
+    output = launcher.communicate(timeout=180)[0].decode()
+    assert launcher.returncode == 0, output[-3000:]
+    assert "restart 1: resuming from" in (run_dir / "rank1.log").read_text()
+    assert read_metrics(run_dir)["resumed_from"] == str(run_dir / "checkpoints" / "last.pt")
+    assert_same_weights(run_dir, uninterrupted)
 
 
 def test_impossible_ddp_requests_are_config_errors(tmp_path, monkeypatch):
@@ -215,19 +272,56 @@ def test_impossible_ddp_requests_are_config_errors(tmp_path, monkeypatch):
     assert read_metrics(tmp_path / "c")["status"] == "failed"
 
 
-def torchrun(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+def torchrun(*args: str, cwd: Path, nodes: int = 1) -> subprocess.CompletedProcess:
+    """torchrun with 2 processes: on one node, or one on each of `nodes`=2 "nodes" on localhost
+    (two torchrun agents meeting at a c10d rendezvous, as on two hosts)."""
     environment = cli_environment({"OMP_NUM_THREADS": "1"})
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "trainer", *args]
-    return subprocess.run(command, cwd=cwd, env=environment, capture_output=True, text=True, timeout=180)
+    run = [sys.executable, "-m", "torch.distributed.run"]
+    if nodes == 1:
+        command = [*run, "--nproc_per_node=2", "-m", "trainer", *args]
+        return subprocess.run(command, cwd=cwd, env=environment, capture_output=True, text=True, timeout=180)
+    endpoint = f"127.0.0.1:{free_port()}"
+    rendezvous = ["--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint={endpoint}"]
+    agents = [
+        subprocess.Popen(
+            [*run, *rendezvous, "--rdzv_id=two-nodes", "-m", "trainer", *args],
+            cwd=cwd,
+            env=environment,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(nodes)
+    ]
+    outputs = [agent.communicate(timeout=180) for agent in agents]
+    failed = next((i for i, agent in enumerate(agents) if agent.returncode), None)
+    index = 0 if failed is None else failed
+    return subprocess.CompletedProcess(agents[index].args, agents[index].returncode, *outputs[index])
 
 
-def test_torchrun_ranks_join_its_group_and_share_one_run_folder(tmp_path):
-    result = torchrun(*SMALL, "ddp=true", cwd=tmp_path)
+@pytest.fixture(scope="module")
+def torchrun_one_node(tmp_path_factory) -> Path:
+    cwd = tmp_path_factory.mktemp("torchrun")
+    result = torchrun(*SMALL, "ddp=true", "deterministic=true", cwd=cwd)
+    assert result.returncode == 0, result.stderr[-2000:]
+    [run] = run_folders(cwd / "outputs")
+    return run
+
+
+def test_torchrun_ranks_join_its_group_and_share_one_run_folder(torchrun_one_node):
+    metrics = read_metrics(torchrun_one_node)
+    assert (metrics["status"], metrics["world_size"]) == ("completed", 2)
+    assert (torchrun_one_node / "rank1.log").is_file()
+    assert (torchrun_one_node / "checkpoints" / "last.pt").is_file()
+
+
+def test_two_torchrun_nodes_match_one_node_of_two_processes(tmp_path, torchrun_one_node):
+    result = torchrun(*SMALL, "ddp=true", "deterministic=true", cwd=tmp_path, nodes=2)
     assert result.returncode == 0, result.stderr[-2000:]
     [run] = run_folders(tmp_path / "outputs")
-    metrics = read_metrics(run)
-    assert (metrics["status"], metrics["world_size"]) == ("completed", 2)
-    assert (run / "rank1.log").is_file() and (run / "checkpoints" / "last.pt").is_file()
+    assert (read_metrics(run)["status"], read_metrics(run)["world_size"]) == ("completed", 2)
+    for name, tensor in model_tensors(torchrun_one_node).items():
+        torch.testing.assert_close(model_tensors(run)[name], tensor, rtol=0, atol=0, msg=name)
 
 
 def test_sweeps_under_torchrun_are_refused(tmp_path):
