@@ -1,12 +1,22 @@
-"""DDP scaling and accuracy on one multi-GPU host.
+"""DDP scaling on one multi-GPU host, with its spread and where the time goes.
 
-    python scripts/bench_ddp.py                     # scaling on 1, 2, 4, ... GPUs (as many as present)
+    python scripts/bench_ddp.py                          # scaling table + communication probe
+    python scripts/bench_ddp.py --repeats 5 --epochs 3   # more runs per row
+    python scripts/bench_ddp.py --toggles                # + each ddp_* toggle on N GPUs
     python scripts/bench_ddp.py --accuracy-root /path/to/cifar10-subset   # + DDP vs 1-GPU accuracy
 
-Scaling: ResNet-18, 512 images per GPU, amp bf16 + channels_last, with the GPU-resident
-loader and with the torch DataLoader (8 workers per process, pinned, non-blocking), on
-CIFAR-shaped synthetic data (50,000 images). Images/s is the median of the epochs after
-the first; per-GPU efficiency = images/s on N GPUs / (N x images/s on 1 GPU).
+Scaling: ResNet-18, 512 images per GPU, `perf=fast` with the GPU-resident loader and with the
+torch DataLoader (`data.loader=torch`), on 1 and N GPUs (N = every GPU here), on CIFAR-shaped
+synthetic data (50,000 images). Every row runs --repeats times, each run in its own process;
+a run's images/s is the median of its epochs after the first, the row shows the median of the
+runs and their spread (min-max). Per-GPU efficiency = images/s on N GPUs / (N x the same
+loader's images/s on 1 GPU). DataParallel: the same model in one process over N GPUs
+(compile off: DataParallel re-replicates the module every step), beside DDP at the same settings.
+
+Communication probe (one NCCL group of N processes): the bus bandwidth of an all-reduce of a
+ResNet-18-sized gradient (11.2M fp32 values), and the share of a DDP training step spent on
+communication that compute does not hide: the step time with DDP against the same step under
+no_sync() (no all-reduce), eager bf16 channels_last, 512 images per GPU.
 
 Accuracy: the same global batch (512) as 1 GPU x 512 and N GPUs x 512/N on a real-image
 folder, two seeds each, so the difference can be read against seed noise.
@@ -17,52 +27,194 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
+from types import SimpleNamespace
 
-import torch
-from bench import SYNTHETIC, Row, environment, fmt, run_once
+from bench import REPO, SYNTHETIC, Row, environment, fmt, run_once, run_row
 
+RESNET18_PARAMETERS = 11_173_962  # ResNet-18 with the CIFAR stem and 10 classes
+PROBE_BATCH = 512
 LOADERS = {
-    "gpu": ["data.loader=gpu"],
-    "torch": ["num_workers=8", "persistent_workers=true", "pin_memory=true", "non_blocking=true"],
+    "gpu loader (perf=fast)": ["perf=fast"],
+    "torch DataLoader (perf=fast data.loader=torch)": ["perf=fast", "data.loader=torch"],
 }
-SETTINGS = ["amp=true", "amp_dtype=bf16", "channels_last=true", "batch_size=512"]
+NO_COMPILE = ["perf=fast", "compile=false"]
+TOGGLES = {
+    "ddp_comm_hook=bf16": ["ddp_comm_hook=bf16"],
+    "ddp_comm_hook=fp16": ["ddp_comm_hook=fp16"],
+    "ddp_comm_hook=powersgd": ["ddp_comm_hook=powersgd"],
+    "ddp_bucket_cap_mb=100": ["ddp_bucket_cap_mb=100"],
+    "ddp_gradient_as_bucket_view=true": ["ddp_gradient_as_bucket_view=true"],
+    "ddp_static_graph=true": ["ddp_static_graph=true"],
+}
 
 
-def gpu_counts(available: int) -> list[int]:
-    counts, n = [], 1
-    while n <= available:
-        counts.append(n)
-        n *= 2
-    return counts
-
-
-def scaling(out: Path, epochs: int, timeout_s: float) -> list[str]:
-    lines = [
-        "| loader | GPUs | images/s | per-GPU efficiency | status |",
-        "| --- | ---: | ---: | ---: | --- |",
-    ]
+def scaling_rows(gpus: int) -> list[tuple[str, int, Row]]:
+    """(group, GPUs, row): each loader on 1 and `gpus` GPUs, then DataParallel beside DDP."""
+    rows = []
     for loader, overrides in LOADERS.items():
-        single = None
-        for count in gpu_counts(torch.cuda.device_count()):
-            ddp = ["ddp=true", f"devices={count}"] if count > 1 else []
-            name = f"{loader}-{count}gpu"
-            row = run_once(
-                Row(name, [*SETTINGS, *overrides, *ddp]), SYNTHETIC, "resnet18", epochs, out / name, timeout_s
-            )
-            rate = row.get("img_per_s")
-            single = rate if count == 1 else single
-            efficiency = rate / (count * single) if rate and single else None
+        rows.append((loader, 1, Row(f"{loader}, 1 GPU", overrides)))
+        ddp = ["ddp=true", f"devices={gpus}"]
+        rows.append((loader, gpus, Row(f"{loader}, {gpus} GPUs", [*overrides, *ddp])))
+    together = ["data_parallel=true", f"devices={gpus}", f"batch_size={PROBE_BATCH * gpus}"]
+    rows.append(("compile=false", gpus, Row(f"DataParallel, {gpus} GPUs", [*NO_COMPILE, *together])))
+    rows.append(
+        ("compile=false", gpus, Row(f"DDP, {gpus} GPUs", [*NO_COMPILE, "ddp=true", f"devices={gpus}"]))
+    )
+    return rows
+
+
+def toggle_rows(gpus: int) -> list[tuple[str, int, Row]]:
+    """Each toggle added to DDP perf=fast on `gpus` GPUs (efficiency against the gpu loader's 1 GPU)."""
+    group, overrides = next(iter(LOADERS.items()))
+    ddp = [*overrides, "ddp=true", f"devices={gpus}"]
+    return [(group, gpus, Row(f"{gpus} GPUs + {name}", [*ddp, *extra])) for name, extra in TOGGLES.items()]
+
+
+def efficiencies(results: list[dict]) -> list[float | None]:
+    """Per-GPU efficiency of each row against its group's 1-GPU row (None where there is none)."""
+    single = {r["group"]: r.get("img_per_s") for r in results if r["gpus"] == 1}
+    out = []
+    for r in results:
+        reference, rate = single.get(r["group"]), r.get("img_per_s")
+        out.append(rate / (r["gpus"] * reference) if rate and reference else None)
+    return out
+
+
+def scaling_table(results: list[dict]) -> list[str]:
+    lines = [
+        "| row | GPUs | runs | images/s (median) | spread (min-max) | per-GPU efficiency | status |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for r, efficiency in zip(results, efficiencies(results)):
+        rate = r.get("img_per_s")
+        spread = f"{r['min_img_per_s']:,.0f}-{r['max_img_per_s']:,.0f}" if rate and r["runs"] > 1 else ""
+        lines.append(
+            f"| {r['row']} | {r['gpus']} | {r['runs']} | {fmt(rate, ',.0f')} | {spread} | "
+            f"{fmt(efficiency, '.1%')} | {r['status']} |"
+        )
+    by_name = {r["row"]: r.get("img_per_s") for r in results}
+    pairs = [(n, n.replace("DataParallel", "DDP")) for n in by_name if n.startswith("DataParallel")]
+    for together, ddp in pairs:
+        if by_name.get(together) and by_name.get(ddp):
             lines.append(
-                f"| {loader} | {count} | {fmt(rate, ',.0f')} | {fmt(efficiency, '.1%')} | {row['status']} |"
+                f"\nDDP / DataParallel (compile off, same GPUs): {by_name[ddp] / by_name[together]:.2f}x"
             )
-            print(lines[-1], flush=True)
     return lines
 
 
-def accuracy(out: Path, root: Path, epochs: int, timeout_s: float) -> list[str]:
-    count = torch.cuda.device_count()
+# ------------------------------------------------------------------ communication probe
+
+
+def bus_bandwidth(num_bytes: int, seconds: float, world_size: int) -> float:
+    """GB/s an all-reduce moves over the slowest link (NCCL's busbw: algbw x 2(n-1)/n)."""
+    return num_bytes / seconds * 2 * (world_size - 1) / world_size / 1e9
+
+
+def exposed_share(step_s: float, no_sync_step_s: float) -> float:
+    """The part of a DDP step spent on communication that compute does not hide."""
+    return max(0.0, step_s - no_sync_step_s) / step_s
+
+
+def seconds_per_call(
+    call: Callable[[], None],
+    synchronize: Callable[[], None],
+    warmup: int,
+    iterations: int,
+    clock=time.perf_counter,
+) -> float:
+    """Mean wall time of `call` after `warmup` untimed calls, synchronized before and after."""
+    for _ in range(warmup):
+        call()
+    synchronize()
+    started = clock()
+    for _ in range(iterations):
+        call()
+    synchronize()
+    return (clock() - started) / iterations
+
+
+def probe_rank(ranks, warmup: int, iterations: int) -> dict:
+    """In each launched rank: the all-reduce and the DDP step with and without its all-reduce."""
+    import torch
+    from torch import nn
+
+    from trainer import distributed
+    from trainer.config import ModelConfig
+    from trainer.models import build_model
+
+    device = torch.device("cuda", ranks.local_rank)
+    distributed.init_process_group("nccl", ranks, device)
+    try:
+        gradient = torch.zeros(RESNET18_PARAMETERS, device=device)
+        all_reduce_s = seconds_per_call(
+            lambda: torch.distributed.all_reduce(gradient), torch.cuda.synchronize, warmup, iterations
+        )
+        model = build_model(ModelConfig(), num_classes=10).to(device, memory_format=torch.channels_last)
+        model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index])
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        images = torch.randn(PROBE_BATCH, 3, 32, 32, device=device).to(memory_format=torch.channels_last)
+        labels = torch.randint(0, 10, (PROBE_BATCH,), device=device)
+
+        def step() -> None:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = nn.functional.cross_entropy(model(images), labels)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        def step_without_sync() -> None:
+            with model.no_sync():
+                step()
+
+        step_s = seconds_per_call(step, torch.cuda.synchronize, warmup, iterations)
+        no_sync_s = seconds_per_call(step_without_sync, torch.cuda.synchronize, warmup, iterations)
+        return {
+            "world_size": ranks.world_size,
+            "all_reduce_s": all_reduce_s,
+            "step_s": step_s,
+            "no_sync_step_s": no_sync_s,
+        }
+    finally:
+        distributed.destroy_process_group()
+
+
+def probe_table(probe: dict) -> list[str]:
+    n, megabytes = probe["world_size"], RESNET18_PARAMETERS * 4 / 1e6
+    bandwidth = bus_bandwidth(RESNET18_PARAMETERS * 4, probe["all_reduce_s"], n)
+    exposed = exposed_share(probe["step_s"], probe["no_sync_step_s"])
+    serial = probe["all_reduce_s"] / probe["step_s"]
+    all_reduce_ms = 1e3 * probe["all_reduce_s"]
+    return [
+        f"| communication probe, {n} GPUs (NCCL) | value |",
+        "| --- | ---: |",
+        f"| all-reduce of {megabytes:.1f} MB (ResNet-18's fp32 gradient) | {all_reduce_ms:.2f} ms |",
+        f"| bus bandwidth | {bandwidth:.1f} GB/s |",
+        f"| DDP step, eager bf16, {PROBE_BATCH} images/GPU | {1e3 * probe['step_s']:.2f} ms |",
+        f"| same step under no_sync (no all-reduce) | {1e3 * probe['no_sync_step_s']:.2f} ms |",
+        f"| all-reduce time / step time (if none were hidden) | {serial:.1%} |",
+        f"| communication not hidden behind compute | {exposed:.1%} of the step |",
+    ]
+
+
+# ------------------------------------------------------------------ sections
+
+
+def scaling(out: Path, args, rows: list[tuple[str, int, Row]]) -> list[str]:
+    settings = SimpleNamespace(
+        repeats=args.repeats, model="resnet18", epochs=args.epochs, row_timeout=args.row_timeout
+    )
+    results = []
+    for group, gpus, row in rows:
+        result = run_row("ddp", row, settings, SYNTHETIC, out)
+        results.append({**result, "group": group, "gpus": gpus})
+    return scaling_table(results)
+
+
+def accuracy(out: Path, root: Path, epochs: int, timeout_s: float, count: int) -> list[str]:
     common = [
         "data=imagefolder",
         f"data.root={root}",
@@ -82,9 +234,9 @@ def accuracy(out: Path, root: Path, epochs: int, timeout_s: float) -> list[str]:
     ):
         accuracies = []
         for seed in (0, 1):
-            name = f"acc-{len(overrides)}-{seed}"
+            slug = f"acc-{len(overrides)}-{seed}"
             row = run_once(
-                Row(name, [*overrides, f"seed={seed}"]), common, "resnet18", epochs, out / name, timeout_s
+                Row(slug, [*overrides, f"seed={seed}"]), common, "resnet18", epochs, out / slug, timeout_s
             )
             accuracies.append(row.get("test_acc"))
         shown = ", ".join(fmt(a, ".3f") for a in accuracies)
@@ -94,30 +246,62 @@ def accuracy(out: Path, root: Path, epochs: int, timeout_s: float) -> list[str]:
     return lines
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--epochs", type=int, default=3, help="scaling runs; the first is warm-up")
+    parser.add_argument("--epochs", type=int, default=3, help="per run; the first is warm-up")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per row (median and spread)")
+    parser.add_argument(
+        "--rows", default=None, help="only scaling rows whose name contains one of these (a,b)"
+    )
+    parser.add_argument("--toggles", action="store_true", help="also each ddp_* toggle on every GPU")
+    parser.add_argument("--skip-scaling", action="store_true")
+    parser.add_argument("--skip-probe", action="store_true")
+    parser.add_argument("--probe-iterations", type=int, default=20, help="timed; after 5 warm-up")
     parser.add_argument("--accuracy-root", type=Path, help="class-folder dataset for the accuracy check")
     parser.add_argument("--accuracy-epochs", type=int, default=15)
-    parser.add_argument("--skip-scaling", action="store_true")
-    parser.add_argument("--row-timeout", type=float, default=180)
-    parser.add_argument(
-        "--out", type=Path, default=Path("outputs") / "bench" / f"ddp-{datetime.now():%Y-%m-%d_%H-%M-%S}"
-    )
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("bench_ddp: needs CUDA GPUs", file=sys.stderr)
+    parser.add_argument("--row-timeout", type=float, default=300)
+    parser.add_argument("--out", type=Path, default=None, help="folder for runs, logs and bench_ddp.md")
+    args = parser.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        found = torch.cuda.device_count() if torch.cuda.is_available() else "no CUDA"
+        print(f"bench_ddp: needs 2 or more CUDA GPUs on this host (found: {found})", file=sys.stderr)
         return 2
-    args.out.mkdir(parents=True, exist_ok=True)
-    text = [f"ResNet-18, {environment()}, {torch.cuda.device_count()} GPU(s)", ""]
-    if not args.skip_scaling:
-        text += scaling(args.out, args.epochs, args.row_timeout) + [""]
+    if args.epochs < 2 or args.repeats < 1:
+        print(
+            "bench_ddp: --epochs must be at least 2 (the first is warm-up), --repeats at least 1",
+            file=sys.stderr,
+        )
+        return 2
+    gpus = torch.cuda.device_count()
+    out = args.out or REPO / "outputs" / "bench" / f"ddp-{datetime.now():%Y-%m-%d_%H-%M-%S}"
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    text = [
+        f"ResNet-18, {environment()}, {gpus} GPUs; {args.epochs} epochs per run (median of the last "
+        f"{args.epochs - 1}), {args.repeats} run(s) per row",
+        "",
+    ]
+    if not args.skip_probe:
+        sys.path.insert(0, str(REPO))  # the probe's ranks import the trainer from this checkout
+        from trainer.distributed import launch
+
+        text += probe_table(launch(gpus, probe_rank, (5, args.probe_iterations))) + [""]
+        print("\n".join(text), flush=True)
+    rows = [] if args.skip_scaling else scaling_rows(gpus)
+    wanted = [part for part in (args.rows or "").split(",") if part]
+    rows = [r for r in rows if not wanted or any(part in r[2].name for part in wanted)]
+    rows += toggle_rows(gpus) if args.toggles else []
+    if rows:
+        text += scaling(out, args, rows) + [""]
     if args.accuracy_root:
-        text += accuracy(args.out, args.accuracy_root, args.accuracy_epochs, args.row_timeout)
-    (args.out / "bench_ddp.md").write_text("\n".join(text) + "\n")
-    print("\n".join(text))
+        text += accuracy(out, args.accuracy_root, args.accuracy_epochs, args.row_timeout, gpus) + [""]
+    text.append(f"bench_ddp took {time.perf_counter() - started:.0f} s")
+    (out / "bench_ddp.md").write_text("\n".join(text) + "\n")
+    print("\n" + "\n".join(text))
     return 0
 
 

@@ -1,0 +1,73 @@
+"""scripts/bench_ddp.py without GPUs: its tables and the probe's arithmetic on given timings,
+and its one-line refusal where there is no CUDA."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from conftest import REPO
+
+sys.path.insert(0, str(REPO / "scripts"))
+import bench_ddp  # noqa: E402 - a script beside bench.py, which it imports
+
+
+def result(row: str, group: str, gpus: int, runs: list[float]) -> dict:
+    return {
+        "row": row,
+        "group": group,
+        "gpus": gpus,
+        "runs": len(runs),
+        "status": "completed",
+        "img_per_s": sorted(runs)[len(runs) // 2],
+        "min_img_per_s": min(runs),
+        "max_img_per_s": max(runs),
+    }
+
+
+def test_scaling_table_shows_median_spread_and_per_gpu_efficiency():
+    rows = bench_ddp.scaling_rows(2)
+    assert [gpus for _, gpus, _ in rows] == [1, 2, 1, 2, 2, 2]
+    assert "data_parallel=true" in rows[4][2].trainer and "batch_size=1024" in rows[4][2].trainer
+    results = [
+        result("gpu, 1 GPU", "gpu", 1, [80_000, 82_000, 81_000]),
+        result("gpu, 2 GPUs", "gpu", 2, [150_000, 140_000, 146_000]),
+        result("DataParallel, 2 GPUs", "compile=false", 2, [50_000, 52_000, 51_000]),
+        result("DDP, 2 GPUs", "compile=false", 2, [102_000, 100_000, 101_000]),
+    ]
+    table = "\n".join(bench_ddp.scaling_table(results))
+    assert "| gpu, 2 GPUs | 2 | 3 | 146,000 | 140,000-150,000 | 90.1% | completed |" in table
+    assert "| DataParallel, 2 GPUs | 2 | 3 | 51,000 | 50,000-52,000 |  | completed |" in table
+    assert "DDP / DataParallel (compile off, same GPUs): 1.98x" in table
+
+
+def test_probe_arithmetic_on_given_timings():
+    # 44.7 MB in 1 ms between 2 GPUs: each link carries the full buffer once, 44.7 GB/s
+    assert bench_ddp.bus_bandwidth(RESNET18 := 4 * bench_ddp.RESNET18_PARAMETERS, 1e-3, 2) == pytest.approx(
+        RESNET18 / 1e6
+    )
+    assert bench_ddp.bus_bandwidth(8e9, 1.0, 8) == pytest.approx(14.0)  # 8 GB x 2 x 7/8
+    assert bench_ddp.exposed_share(0.010, 0.008) == pytest.approx(0.2)
+    assert bench_ddp.exposed_share(0.008, 0.0081) == 0.0  # noise never makes a negative share
+    ticks, calls = iter([10.0, 10.5]), []
+    seconds = bench_ddp.seconds_per_call(
+        lambda: calls.append(1), lambda: None, 3, 5, clock=lambda: next(ticks)
+    )
+    assert (seconds, len(calls)) == (0.1, 8)
+    table = "\n".join(
+        bench_ddp.probe_table(
+            {"world_size": 2, "all_reduce_s": 1e-3, "step_s": 0.010, "no_sync_step_s": 0.008}
+        )
+    )
+    assert "| bus bandwidth | 44.7 GB/s |" in table
+    assert "| all-reduce time / step time (if none were hidden) | 10.0% |" in table
+    assert "| communication not hidden behind compute | 20.0% of the step |" in table
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a host without CUDA")
+def test_without_cuda_it_stops_with_one_line(capsys):
+    assert bench_ddp.main(["--repeats", "1"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == "bench_ddp: needs 2 or more CUDA GPUs on this host (found: no CUDA)\n"
