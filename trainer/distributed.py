@@ -9,6 +9,7 @@ period), so no process outlives the run; with restarts the group starts again in
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -140,6 +141,9 @@ def launch(world_size: int, target: Callable, args: tuple, max_restarts: int = 0
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     error_files = tempfile.mkdtemp(prefix="trainer-elastic-")
+    # Fields of newer torch releases (2.11's LaunchConfig has neither): passed where they exist.
+    newer = {"signals_to_handle": "SIGTERM,SIGINT", "shutdown_timeout": STOP_GRACE_S}
+    supported = {field.name for field in dataclasses.fields(LaunchConfig)}
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -151,8 +155,7 @@ def launch(world_size: int, target: Callable, args: tuple, max_restarts: int = 0
         monitor_interval=0.2,
         start_method="spawn",
         logs_specs=DefaultLogsSpecs(log_dir=error_files),
-        signals_to_handle="SIGTERM,SIGINT",
-        shutdown_timeout=STOP_GRACE_S,
+        **{name: value for name, value in newer.items() if name in supported},
     )
     previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
