@@ -30,7 +30,7 @@ from trainer.data import IMAGE_SIZE, gpu_loaders, load_source, torch_loaders
 from trainer.distributed import Ranks
 from trainer.logging import RunLog, SilentRunLog, configure_rank_logging, write_json_atomic
 from trainer.models import build_model
-from trainer.optim import build_optimizer, build_scheduler
+from trainer.optim import build_optimizer, build_scheduler, peak_lr, scaling_rule
 from trainer.progress import Progress
 from trainer.timing import data_wait_timer
 
@@ -176,22 +176,21 @@ class Trainer:
         processes_per_host = int(os.environ.get("LOCAL_WORLD_SIZE", ranks.world_size))
         decoders = max(1, len(os.sched_getaffinity(0)) // processes_per_host)
         splits = load_source(cfg.data, cfg.seed, processes=decoders)
+        common = dict(
+            augment=cfg.data.augment,
+            batch_size=cfg.batch_size,
+            seed=cfg.seed,
+            rank=ranks.rank,
+            world_size=ranks.world_size,
+            cutout=cfg.data.cutout,
+        )
         if cfg.data.loader is LoaderKind.gpu:
             if device.type != "cuda":
                 perf.cannot_act("data.loader=gpu", f"device is {device}: the dataset stays in host memory")
-            train, test = gpu_loaders(
-                splits, cfg.data.augment, cfg.batch_size, cfg.seed, ranks.rank, ranks.world_size, device
-            )
+            train, test = gpu_loaders(splits, device=device, **common)
         else:
-            train, test = torch_loaders(
-                splits,
-                cfg.data.augment,
-                cfg.batch_size,
-                cfg.seed,
-                ranks.rank,
-                ranks.world_size,
-                perf.dataloader_kwargs(cfg, device, processes_per_host),
-            )
+            loader_kwargs = perf.dataloader_kwargs(cfg, device, processes_per_host)
+            train, test = torch_loaders(splits, loader_kwargs=loader_kwargs, **common)
         if len(train) == 0:
             raise ConfigError(
                 f"batch_size={cfg.batch_size} x {ranks.world_size} process(es) is larger than the "
@@ -219,7 +218,17 @@ class Trainer:
         self.mfu = mfu.meter(cfg, device, flops, ranks.world_size)
         self.no_sync = self.ddp_model.no_sync if wrap_ddp else contextlib.nullcontext
 
-        self.optimizer = build_optimizer(cfg.optim, self.raw_model, perf.optimizer_kwargs(cfg))
+        global_batch = cfg.batch_size * ranks.world_size * cfg.grad_accum_steps
+        self.lr_peak = peak_lr(cfg.optim, global_batch)
+        log.info(
+            "peak lr %.4g: optim.lr=%g for optim.lr_base_batch=%d, scaled (%s) to the global batch %d",
+            self.lr_peak,
+            cfg.optim.lr,
+            cfg.optim.lr_base_batch,
+            scaling_rule(cfg.optim).value,
+            global_batch,
+        )
+        self.optimizer = build_optimizer(cfg.optim, self.raw_model, perf.optimizer_kwargs(cfg), self.lr_peak)
         self.steps_per_epoch = math.ceil(len(train) / cfg.grad_accum_steps)
         self.total_steps = cfg.epochs * self.steps_per_epoch
         if cfg.max_steps is not None:
@@ -413,7 +422,8 @@ class Trainer:
             epoch = self.progress.epoch + 1
             raise NonFiniteLoss(
                 f"training loss became {losses[bad]} at optimizer step {step} (epoch {epoch}): "
-                f"lower optim.lr (now {self.cfg.optim.lr}){self.non_finite_remedy}"
+                f"lower optim.lr (now {self.cfg.optim.lr}, a peak of {self.lr_peak:.4g} at this batch)"
+                f"{self.non_finite_remedy}"
             )
         mean = sum(losses) / len(losses)
         images_per_s = len(losses) * self.images_per_micro_batch / max(seconds, 1e-9)
@@ -509,6 +519,7 @@ class Trainer:
             "torch": torch.__version__,
             "overrides": self.overrides,
             "resumed_from": self.resumed_from,
+            "lr_peak": getattr(self, "lr_peak", None),  # the optimizer's peak lr, after scaling
         }
 
     def _record_failure(self, error: BaseException) -> None:
