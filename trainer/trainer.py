@@ -24,10 +24,19 @@ from omegaconf import OmegaConf
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from trainer import checkpoint, distributed, mfu, perf
-from trainer.config import ConfigError, LoaderKind, TrainConfig, TrainerError, to_train_config
+from trainer import checkpoint, distributed, evaluation, mfu, perf
+from trainer.config import (
+    ConfigError,
+    ExportFormat,
+    LoaderKind,
+    TrainConfig,
+    TrainerError,
+    to_train_config,
+)
 from trainer.data import IMAGE_SIZE, gpu_loaders, load_source, torch_loaders
 from trainer.distributed import Ranks
+from trainer.ema import WeightAverage, weight_average
+from trainer.export import export_model
 from trainer.logging import RunLog, SilentRunLog, configure_rank_logging, write_json_atomic
 from trainer.models import build_model
 from trainer.optim import build_optimizer, build_scheduler, peak_lr, scaling_rule
@@ -89,6 +98,8 @@ class Trainer:
         self.stop_signal: str | None = None
         self.device: torch.device | None = None
         self.resumed_from: str | None = None
+        self.lr_peak: float | None = None  # set by build: optim.lr scaled to the global batch
+        self.exported: str | None = None  # the inference model's file, once written
         self.built = False
 
     # ------------------------------------------------------------------ entry points
@@ -229,6 +240,8 @@ class Trainer:
             global_batch,
         )
         self.optimizer = build_optimizer(cfg.optim, self.raw_model, perf.optimizer_kwargs(cfg), self.lr_peak)
+        self.average = weight_average(cfg.ema, self.raw_model)
+        self.tta_views = evaluation.tta_views(cfg.eval.tta)
         self.steps_per_epoch = math.ceil(len(train) / cfg.grad_accum_steps)
         self.total_steps = cfg.epochs * self.steps_per_epoch
         if cfg.max_steps is not None:
@@ -280,9 +293,13 @@ class Trainer:
             self.progress.batch_in_epoch = 0
             last = self.progress.epoch == cfg.epochs or self.progress.step >= self.total_steps
             if self.progress.epoch % cfg.eval_every == 0 or last:
-                record.update(self.evaluate())
+                evaluated = time.perf_counter()
+                record.update(self.evaluate())  # its all-reduce's .tolist() waits for the device
+                record["eval_s"] = time.perf_counter() - evaluated
+                self.progress.eval_time_s += record["eval_s"]
             record["wall_s"] = time.perf_counter() - self.fit_started
             self.progress.add_epoch(record)
+            self.progress.note_target(record, cfg.target_acc)
             self._report_epoch(record)
             self._save_checkpoint()
             self.run_log.metrics(self.summary())
@@ -301,6 +318,8 @@ class Trainer:
             if epochs_run == 0:  # resumed from a finished run: this run's folder still gets its checkpoint
                 log.info("resume=%s had already finished: nothing left to train", cfg.resume)
                 self._save_checkpoint()
+            if cfg.export is not ExportFormat.none and self.ranks.is_main:
+                self.exported = str(export_model(self.average.module, cfg.export, self.run_dir))
 
     def _report_epoch(self, record: dict) -> None:
         """TensorBoard scalars, one log line, and the input-pipeline hint when data is slow."""
@@ -311,6 +330,7 @@ class Trainer:
                 "train/acc": record["train_acc"],
                 "test/loss": record.get("test_loss"),
                 "test/acc": record.get("test_acc"),
+                "test/acc_tta": record.get("test_acc_tta"),
                 "perf/img_per_s": record["img_per_s"],
                 "perf/mfu": record["mfu"],
                 "perf/epoch_s": record["epoch_s"],
@@ -411,6 +431,7 @@ class Trainer:
         self.zero_grad()
         self.scheduler.step()
         self.progress.step += 1
+        self.average.after_step(self.progress.step)
 
     def _log_window(self, window: list[torch.Tensor], progress, seconds: float) -> float:
         """One host sync per window: read the losses, stop on NaN/inf, log. Returns their sum."""
@@ -437,20 +458,12 @@ class Trainer:
         progress.update(len(losses))
         return sum(losses)
 
-    @torch.no_grad()
     def evaluate(self) -> dict:
-        """Test loss and accuracy over every test image exactly once (summed across ranks)."""
-        model = self.raw_model
-        model.eval()
-        totals = torch.zeros(3, dtype=torch.float64, device=self.device)
-        for images, labels in self.test_batches:
-            with self.autocast():
-                logits = model(images)
-            totals[0] += nn.functional.cross_entropy(logits.float(), labels, reduction="sum")
-            totals[1] += (logits.argmax(dim=1) == labels).sum()
-            totals[2] += labels.numel()
-        loss, correct, count = distributed.all_reduce_sum(totals, self.ranks).tolist()
-        return {"test_loss": loss / count, "test_acc": correct / count}
+        """Test loss and accuracy over every test image exactly once (summed across ranks), of
+        the weight average when ema is on; with eval.tta also test_acc_tta."""
+        return evaluation.evaluate(
+            self.average.module, self.test_batches, self.tta_views, self.device, self.autocast, self.ranks
+        )
 
     # ------------------------------------------------------------------ stop, checkpoint, resume
 
@@ -474,14 +487,17 @@ class Trainer:
         return self.stop_signal is not None
 
     def _stateful(self) -> dict:
-        """Everything a checkpoint holds the state of, by name."""
-        return {
+        """Everything a checkpoint holds the state of, by name (the weight average when ema is on)."""
+        stateful = {
             "model": self.raw_model,
             "optimizer": self.optimizer,
             "scheduler": self.scheduler,
             "scaler": self.scaler,
             "progress": self.progress,
         }
+        if isinstance(self.average, WeightAverage):
+            stateful["ema"] = self.average
+        return stateful
 
     def _save_checkpoint(self) -> None:
         if self.ranks.is_main:
@@ -519,7 +535,9 @@ class Trainer:
             "torch": torch.__version__,
             "overrides": self.overrides,
             "resumed_from": self.resumed_from,
-            "lr_peak": getattr(self, "lr_peak", None),  # the optimizer's peak lr, after scaling
+            "lr_peak": self.lr_peak,
+            "target_acc": self.cfg.target_acc,
+            "export": self.exported,
         }
 
     def _record_failure(self, error: BaseException) -> None:
