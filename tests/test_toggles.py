@@ -312,7 +312,8 @@ def test_data_wait_is_measured_and_a_slow_pipeline_gets_a_hint(tmp_path, caplog)
     import time
 
     caplog.set_level(logging.INFO)
-    trainer = built(tmp_path, "log_every=100")
+    # Slow by a fixed 0.4 s a batch: more than a loaded 2-core CI machine takes to compute one.
+    trainer = built(tmp_path, "log_every=100", "max_steps=4")
     slow_batches = trainer.train_batches
 
     class Slow:
@@ -321,7 +322,7 @@ def test_data_wait_is_measured_and_a_slow_pipeline_gets_a_hint(tmp_path, caplog)
 
         def __iter__(self):
             for batch in slow_batches:
-                time.sleep(0.05)
+                time.sleep(0.4)
                 yield batch
 
     trainer.train_batches = Slow()
