@@ -144,11 +144,12 @@ def main() -> None:
     model = build_model(ModelConfig(name=ModelName(args.model), conv_bias=not gpu_path), 10)
     model = model.to(device, memory_format=fmt)
     step_model = torch.compile(model, mode=args.compile_mode) if gpu_path else model
+    peak_lr = 0.05 * args.batch_size / 128  # the trainer's default: 0.05 per 128 images, scaled linearly
     optimizer = torch.optim.SGD(
-        model.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=5e-4, fused=gpu_path or None
+        model.parameters(), lr=peak_lr, momentum=0.9, nesterov=True, weight_decay=5e-4, fused=gpu_path or None
     )
     scheduler = torch.optim.lr_scheduler.OneCycleLR(
-        optimizer, 0.05, total_steps=args.epochs * steps_per_epoch, pct_start=0.2
+        optimizer, peak_lr, total_steps=args.epochs * steps_per_epoch, pct_start=0.2
     )
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
 

@@ -66,9 +66,10 @@ def test_help_lists_the_groups_and_points_to_every_key(tmp_path):
     groups = help_text.split("Config groups")[1].split("\n\n")[0].splitlines()[1:]
     assert groups == [
         "  data   cifar10*, imagefolder, synthetic",
-        "  model  cnn*, resnet18",
+        "  model  cnn*, fastcnn, resnet18",
         "  optim  adamw, sgd*",
         "  perf   baseline, default*, fast",
+        "  recipe default*, fastcnn_94, resnet18_94",
     ]
     assert "_schema" not in help_text
     assert "python -m trainer [group=option ...] --cfg job" in help_text

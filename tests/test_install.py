@@ -71,5 +71,6 @@ def test_a_built_wheel_runs_from_any_folder_with_the_configs_inside(tmp_path):
     assert (metrics.parent / ".hydra" / "config.yaml").is_file()
 
     help_text = run(str(script), "--help", cwd=elsewhere, env=env).stdout
-    assert "model  cnn, resnet18*" in help_text  # the groups, read from the configs inside the wheel
+    assert "model  cnn, fastcnn, resnet18*" in help_text  # the groups, read from the configs inside the wheel
+    assert "recipe default*, fastcnn_94, resnet18_94" in help_text
     assert [path.name for path in elsewhere.iterdir()] == ["outputs"]

@@ -228,9 +228,23 @@ def test_time_to_target_accuracy_comes_from_the_history(toggle_sweep, tmp_path, 
     assert run_report(toggle_sweep, "--out", tmp_path, "--target-acc", lowest, capsys=capsys)[0] == 0
     for row in read_csv(tmp_path):
         [evaluated] = [entry for entry in metrics[row["job"]]["history"] if "test_acc" in entry]
-        assert float(row["time_to_target_s"]) == pytest.approx(evaluated["wall_s"])
+        seconds = evaluated["train_time_s"] + evaluated["eval_s"]  # as the trainer counts it
+        assert float(row["time_to_target_s"]) == pytest.approx(seconds)
     assert run_report(toggle_sweep, "--out", tmp_path, "--target-acc", "1.01", capsys=capsys)[0] == 0
     assert {row["time_to_target_s"] for row in read_csv(tmp_path)} == {""}
+
+
+def test_time_to_target_recorded_by_the_runs_is_preferred(toggle_sweep, tmp_path, capsys):
+    copy = tmp_path / "sweep"
+    shutil.copytree(toggle_sweep, copy)
+    for job in run_folders(copy):
+        metrics = read_metrics(job)
+        metrics.update(target_acc=0.5, time_to_target_s=123.0, epochs_to_target=1)
+        (job / "metrics.json").write_text(json.dumps(metrics))
+    for extra in ((), ("--target-acc", "0.5")):
+        code, out, _ = run_report(copy, "--out", tmp_path, *extra, capsys=capsys)
+        assert code == 0 and "first reached 50.00%" in out
+        assert {float(row["time_to_target_s"]) for row in read_csv(tmp_path)} == {123.0}
 
 
 def test_several_sweeps_make_one_report(toggle_sweep, seed_sweep, tmp_path, capsys):

@@ -11,6 +11,7 @@ from torch import nn
 
 from trainer import Trainer
 from trainer.data import GpuLoader, ImageSplit, Splits, crop_and_flip, gpu_loaders, torch_loaders
+from trainer.data.augment import CUTOUT_FILL
 from trainer.models import CheckpointedStage, build_model
 from trainer.perf import Moved
 
@@ -223,11 +224,11 @@ def coordinate_images(count: int) -> torch.Tensor:
     return images.to(torch.uint8)
 
 
-def coordinate_loaders(count: int, batch_size: int, **kwargs) -> dict:
+def coordinate_loaders(count: int, batch_size: int, cutout: int = 0, **kwargs) -> dict:
     """Both loaders over the same coordinate images (uint8 batches, not yet normalized)."""
     images = coordinate_images(count)
     splits = Splits(ImageSplit(torch.arange(count), images), ImageSplit(torch.arange(count), images), [])
-    common = dict(augment=True, batch_size=batch_size, seed=0, rank=0, world_size=1)
+    common = dict(augment=True, batch_size=batch_size, seed=0, rank=0, world_size=1, cutout=cutout)
     train_gpu, _ = gpu_loaders(splits, device=torch.device("cpu"), **common)
     train_torch, _ = torch_loaders(splits, loader_kwargs=kwargs, **common)
     return {"gpu": train_gpu, "torch": train_torch}
@@ -256,7 +257,7 @@ def test_loader_augmentation_statistics(kind):
 
 
 def test_both_loaders_give_the_same_batches_whatever_the_worker_count():
-    loaders = coordinate_loaders(600, 100, num_workers=2)
+    loaders = coordinate_loaders(600, 100, cutout=12, num_workers=2)
     for epoch in (0, 3):
         for loader in loaders.values():
             loader.set_epoch(epoch, skip_batches=1)
@@ -264,9 +265,24 @@ def test_both_loaders_give_the_same_batches_whatever_the_worker_count():
         assert len(gpu) == len(torch_path) == 5
         for (gpu_images, gpu_labels), (images, labels) in zip(gpu, torch_path):
             assert torch.equal(gpu_images, images) and torch.equal(gpu_labels, labels)
-    in_process = coordinate_loaders(600, 100)["torch"]
+    in_process = coordinate_loaders(600, 100, cutout=12)["torch"]
     in_process.set_epoch(3, skip_batches=1)
     assert all(torch.equal(a[0], b[0]) for a, b in zip(in_process, torch_path))
+
+
+def test_cutout_blanks_a_square_of_the_mean_colour_anywhere_in_the_image():
+    size = 12
+    [(images, _)] = list(coordinate_loaders(400, 400, cutout=size)["gpu"])
+    blanked = images[:, 0] == CUTOUT_FILL[0]  # channel 0 holds rows 1..32 elsewhere
+    assert torch.equal(blanked, images[:, 1] == CUTOUT_FILL[1])  # every channel, the same square
+    rows, cols = blanked.any(dim=2), blanked.any(dim=1)
+    heights, widths = rows.sum(dim=1), cols.sum(dim=1)
+    assert torch.equal(blanked.sum(dim=(1, 2)), heights * widths)  # a rectangle
+    assert heights.max() == size and widths.max() == size and heights.min() < size  # clipped at edges
+    assert rows[:, 0].any() and rows[:, -1].any() and cols[:, 0].any() and cols[:, -1].any()
+    unaugmented = coordinate_loaders(400, 400)["gpu"]
+    [(plain, _)] = list(unaugmented)
+    assert torch.equal(torch.where(blanked[:, None], plain, images), plain)  # only the square changes
 
 
 def test_crop_and_flip_picks_the_window():

@@ -134,6 +134,7 @@ STATE_SHAPING = {
     ("model", "target"): "model.target",
     ("optim", "name"): "optim",
     ("optim", "schedule"): "optim.schedule",
+    ("ema", "enabled"): "ema.enabled",
 }
 
 
@@ -151,8 +152,9 @@ def check_compatible(
         )
     saved = state["config"]
     for (group, key), override in STATE_SHAPING.items():
-        value = saved[group].get(key)
+        value = saved.get(group, {}).get(key, config[group].get(key))  # older checkpoints lack newer keys
         if value != config[group].get(key):
+            value = str(value).lower() if isinstance(value, bool) else value
             raise ConfigError(
                 f"resume={resume} was saved with {group}.{key}={value}, this config has "
                 f"{config[group].get(key)}: set {override}={value}"

@@ -32,6 +32,7 @@ MAX_SEED = 2**32 - 1  # numpy's generator takes seeds in [0, 2**32)
 class ModelName(Enum):
     cnn = "cnn"
     resnet18 = "resnet18"
+    fastcnn = "fastcnn"  # a small residual net for fast CIFAR training (ResNet-9 family)
 
 
 class DataSource(Enum):
@@ -56,6 +57,13 @@ class OptimizerName(Enum):
     adamw = "adamw"
 
 
+class LrScaling(Enum):
+    auto = "auto"  # linear for sgd, sqrt for adamw (timm's lr_base_scale convention)
+    linear = "linear"  # lr x global batch / lr_base_batch
+    sqrt = "sqrt"  # lr x sqrt(global batch / lr_base_batch)
+    none = "none"  # lr as given, whatever the batch
+
+
 class Schedule(Enum):
     onecycle = "onecycle"
     cosine = "cosine"
@@ -73,6 +81,18 @@ class CompileMode(Enum):
     reduce_overhead = "reduce-overhead"  # CUDA graphs: least launch overhead, static shapes
     max_autotune = "max-autotune"  # autotuned kernels + CUDA graphs, minutes to compile
     max_autotune_no_cudagraphs = "max-autotune-no-cudagraphs"
+
+
+class TtaMode(Enum):
+    none = "none"
+    flip = "flip"  # the image and its mirror
+    flip_translate = "flip_translate"  # those two, each also shifted one pixel up-left and down-right
+
+
+class ExportFormat(Enum):
+    none = "none"
+    torchscript = "torchscript"  # model.torchscript.pt, a traced module: torch.jit.load
+    export = "export"  # model.pt2, a torch.export program: torch.export.load(...).module()
 
 
 class DdpBackend(Enum):
@@ -110,12 +130,21 @@ class DataConfig:
     decode: DecodeMode = DecodeMode.auto  # imagefolder: when image files are decoded
     decode_cache: bool = False  # imagefolder: keep decoded images in <root>/.trainer-cache for the next run
     prefetch: bool = False  # CUDA: copy the next batch on a side stream while this one computes
+    cutout: int = 0  # training: blank a square this many pixels wide (mean colour) at a random place
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.cutout <= 32:
+            raise ConfigError(
+                f"data.cutout must be 0 (off) to 32 pixels, got {self.cutout}: set e.g. data.cutout=12"
+            )
 
 
 @dataclass
 class OptimConfig:
     name: OptimizerName = OptimizerName.sgd  # picked by the `optim=` group
-    lr: float = 0.05  # peak learning rate (per global batch; see README on scaling)
+    lr: float = 0.05  # peak learning rate for a global batch of lr_base_batch images
+    lr_base_batch: int = 128  # the global batch (batch_size x processes x grad_accum_steps) lr is given for
+    lr_scaling: LrScaling = LrScaling.auto  # how the peak lr follows the run's global batch
     momentum: float = 0.9  # sgd
     nesterov: bool = True  # sgd
     weight_decay: float = 5e-4
@@ -153,6 +182,33 @@ class OptimConfig:
             raise ConfigError(f"optim.label_smoothing must be in [0, 1), got {self.label_smoothing}")
         if not 0.0 < self.warmup_frac < 1.0:
             raise ConfigError(f"optim.warmup_frac must be in (0, 1), got {self.warmup_frac}")
+        if self.lr_base_batch < 1:
+            raise ConfigError(
+                f"optim.lr_base_batch must be at least 1, got {self.lr_base_batch}: "
+                "set optim.lr_base_batch=128"
+            )
+
+
+@dataclass
+class EvalConfig:
+    tta: TtaMode = TtaMode.none  # test-time augmentation: logits averaged over views -> test_acc_tta
+
+
+@dataclass
+class EmaConfig:
+    # An exponential moving average of the weights, evaluated, checkpointed and exported in their
+    # place; BatchNorm running statistics are copied from the trained model at each update.
+    enabled: bool = False
+    decay: float = 0.99  # per update: average = decay x average + (1 - decay) x weights
+    update_every: int = 1  # optimizer steps between updates
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.decay < 1.0:
+            raise ConfigError(f"ema.decay must be in [0, 1), got {self.decay}: set e.g. ema.decay=0.99")
+        if self.update_every < 1:
+            raise ConfigError(
+                f"ema.update_every must be at least 1, got {self.update_every}: set ema.update_every=1"
+            )
 
 
 @dataclass
@@ -160,6 +216,8 @@ class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    ema: EmaConfig = field(default_factory=EmaConfig)
 
     seed: int = 0  # one seed for python, numpy and torch: 0 to 2**32 - 1
     device: str = "auto"  # auto | cpu | cuda | cuda:N
@@ -170,6 +228,8 @@ class TrainConfig:
     resume: str | None = None  # a checkpoint file or a run folder to continue from
     deterministic: bool = False  # deterministic algorithms, no cudnn autotuning
     log_every: int = 50  # optimizer steps between loss logs, progress updates and NaN checks
+    target_acc: float | None = None  # test accuracy (with TTA when on) whose first time is in metrics.json
+    export: ExportFormat = ExportFormat.none  # the evaluated model, for inference, when the run completes
 
     # Optimization toggles. All off is a plain PyTorch loop (the `perf=baseline` preset); the
     # defaults feed the GPU (workers, pinned memory, non-blocking copies) and leave the rest off.
@@ -261,6 +321,10 @@ class TrainConfig:
             )
         if self.data.source is DataSource.synthetic and min(self.data.train_size, self.data.test_size) < 1:
             raise ConfigError("data.train_size and data.test_size must be at least 1")
+        if self.target_acc is not None and not 0.0 < self.target_acc <= 1.0:
+            raise ConfigError(
+                f"target_acc is a fraction in (0, 1], got {self.target_acc}: set e.g. target_acc=0.94"
+            )
         if not 0 <= self.seed <= MAX_SEED:
             raise ConfigError(
                 f"seed must be in [0, {MAX_SEED}] (numpy's range), got {self.seed}: set seed=0 or another "

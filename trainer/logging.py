@@ -10,7 +10,16 @@ from pathlib import Path
 from tqdm import tqdm
 
 METRICS = "metrics.json"
-FINAL_METRICS = ("test_acc", "best_test_acc", "img_per_s", "mfu", "train_time_s", "peak_mem_mb")
+FINAL_METRICS = (
+    "test_acc",
+    "test_acc_tta",
+    "best_test_acc",
+    "time_to_target_s",
+    "img_per_s",
+    "mfu",
+    "train_time_s",
+    "peak_mem_mb",
+)
 
 
 class BelowLevel(logging.Filter):

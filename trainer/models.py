@@ -1,10 +1,11 @@
-"""Models by name: the tutorial CNN and torchvision's ResNet-18 with the CIFAR stem; or the
-user's own, from `model.target=module:callable`."""
+"""Models by name: the tutorial CNN, torchvision's ResNet-18 with the CIFAR stem and a small
+ResNet-9-style net (fastcnn); or the user's own, from `model.target=module:callable`."""
 
 from __future__ import annotations
 
 import importlib
 import logging
+from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
@@ -59,6 +60,65 @@ def resnet18(num_classes: int, conv_bias: bool = True) -> nn.Module:
     return model
 
 
+def conv_bn(in_channels: int, out_channels: int, conv_bias: bool) -> nn.Sequential:
+    return nn.Sequential(
+        nn.Conv2d(in_channels, out_channels, 3, padding=1, bias=conv_bias),
+        nn.BatchNorm2d(out_channels),
+        nn.GELU(),
+    )
+
+
+class Residual(nn.Sequential):
+    """x + the children applied to x."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + super().forward(x)
+
+
+class Scale(nn.Module):
+    def __init__(self, factor: float):
+        super().__init__()
+        self.factor = factor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.factor
+
+
+FASTCNN_WIDTHS = (64, 128, 256, 512)
+FASTCNN_HEAD_SCALE = 0.125  # small logits at the start: the softmax is not saturated by a fresh head
+
+
+def fastcnn(num_classes: int, conv_bias: bool = True, widths: tuple[int, ...] = FASTCNN_WIDTHS) -> nn.Module:
+    """A ResNet-9-style CIFAR net (Page's DAWNBench design): a conv stem, three stages of
+    conv -> max-pool, a residual pair of convs after the first and last, a global max-pool and
+    a scaled linear head. Every conv is conv-BN-GELU; 8 convs in all, 6.6M parameters."""
+    stem, first, middle, last = widths
+
+    def stage(in_channels: int, out_channels: int, residual: bool) -> nn.Sequential:
+        layers = [conv_bn(in_channels, out_channels, conv_bias), nn.MaxPool2d(2)]
+        if residual:
+            layers.append(
+                Residual(
+                    conv_bn(out_channels, out_channels, conv_bias),
+                    conv_bn(out_channels, out_channels, conv_bias),
+                )
+            )
+        return nn.Sequential(*layers)
+
+    return nn.Sequential(
+        OrderedDict(
+            stem=conv_bn(3, stem, conv_bias),
+            layer1=stage(stem, first, residual=True),
+            layer2=stage(first, middle, residual=False),
+            layer3=stage(middle, last, residual=True),
+            pool=nn.AdaptiveMaxPool2d(1),
+            flatten=nn.Flatten(),
+            head=nn.Linear(last, num_classes, bias=False),
+            scale=Scale(FASTCNN_HEAD_SCALE),
+        )
+    )
+
+
 class CheckpointedStage(nn.Sequential):
     """A residual stage run under activation checkpointing: its activations are recomputed
     in backward. Same children as the plain stage, so checkpoints load either way."""
@@ -74,13 +134,15 @@ RESIDUAL_STAGES = ("layer1", "layer2", "layer3", "layer4")
 
 def checkpoint_stages(model: nn.Module) -> nn.Module:
     for name in RESIDUAL_STAGES:
-        setattr(model, name, CheckpointedStage(*getattr(model, name)))
+        if hasattr(model, name):  # fastcnn has three
+            setattr(model, name, CheckpointedStage(*getattr(model, name)))
     return model
 
 
 BUILDERS: dict[ModelName, Callable[..., nn.Module]] = {
     ModelName.cnn: cnn,
     ModelName.resnet18: resnet18,
+    ModelName.fastcnn: fastcnn,
 }
 
 

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 from torch import nn
 
-from trainer.config import OptimConfig, OptimizerName, Schedule
+from trainer.config import LrScaling, OptimConfig, OptimizerName, Schedule
 
 log = logging.getLogger(__name__)
 
@@ -17,18 +18,40 @@ log = logging.getLogger(__name__)
 BEFORE_FIRST_STEP = 1e-9
 
 
-def build_optimizer(cfg: OptimConfig, model: nn.Module, extra: dict) -> torch.optim.Optimizer:
-    """`extra` carries perf toggles (fused kernels) decided in perf.py."""
-    if cfg.lr == 0:
+# lr_scaling=auto, by optimizer: SGD's update is proportional to the gradient, whose noise
+# falls as 1/batch (linear, Goyal et al.); Adam's is normalized by the gradient's size, and the
+# square root keeps its noise per update constant (Malladi et al.; timm's default for Adam-family).
+AUTO_SCALING = {OptimizerName.sgd: LrScaling.linear, OptimizerName.adamw: LrScaling.sqrt}
+
+
+def scaling_rule(cfg: OptimConfig) -> LrScaling:
+    return AUTO_SCALING[cfg.name] if cfg.lr_scaling is LrScaling.auto else cfg.lr_scaling
+
+
+def peak_lr(cfg: OptimConfig, global_batch: int) -> float:
+    """optim.lr, given for optim.lr_base_batch images, scaled to this global batch."""
+    ratio = global_batch / cfg.lr_base_batch
+    rule = scaling_rule(cfg)
+    if rule is LrScaling.linear:
+        return cfg.lr * ratio
+    if rule is LrScaling.sqrt:
+        return cfg.lr * math.sqrt(ratio)
+    return cfg.lr
+
+
+def build_optimizer(cfg: OptimConfig, model: nn.Module, extra: dict, lr: float) -> torch.optim.Optimizer:
+    """`lr`: the peak lr for this run's batch (`peak_lr`); `extra` carries perf toggles (fused
+    kernels) decided in perf.py."""
+    if lr == 0:
         log.warning("optim.lr=0: the weights will not change; set e.g. optim.lr=0.05 to train")
     params = model.parameters()
     if cfg.name is OptimizerName.adamw:
         return torch.optim.AdamW(
-            params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay, **extra
+            params, lr=lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay, **extra
         )
     return torch.optim.SGD(
         params,
-        lr=cfg.lr,
+        lr=lr,
         momentum=cfg.momentum,
         nesterov=cfg.nesterov,
         weight_decay=cfg.weight_decay,
@@ -48,11 +71,12 @@ def onecycle_pct_start(warmup_frac: float, total_steps: int) -> float:
 
 
 def build_scheduler(cfg: OptimConfig, optimizer: torch.optim.Optimizer, total_steps: int):
-    """Stepped once per optimizer step; any total_steps of 1 or more works with every schedule."""
+    """Stepped once per optimizer step; any total_steps of 1 or more works with every schedule.
+    The peak is the lr the optimizer was built with."""
     if cfg.schedule is Schedule.onecycle:
         pct_start = onecycle_pct_start(cfg.warmup_frac, total_steps)
         return torch.optim.lr_scheduler.OneCycleLR(
-            optimizer, max_lr=cfg.lr, total_steps=total_steps, pct_start=pct_start
+            optimizer, max_lr=optimizer.defaults["lr"], total_steps=total_steps, pct_start=pct_start
         )
     if cfg.schedule is Schedule.cosine:
         return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)

@@ -12,6 +12,9 @@ class Progress:
     step: int = 0  # optimizer steps taken
     batch_in_epoch: int = 0  # micro-batches of the current epoch already consumed
     train_time_s: float = 0.0  # training time, evaluation excluded
+    eval_time_s: float = 0.0  # evaluation time
+    time_to_target_s: float | None = None  # training + evaluation time until target_acc was first reached
+    epochs_to_target: int | None = None  # the epoch whose evaluation first reached target_acc
     best_test_acc: float | None = None
     history: list[dict] = field(default_factory=list)  # one record per completed epoch
 
@@ -27,6 +30,15 @@ class Progress:
             self.best_test_acc = max(self.best_test_acc or 0.0, record["test_acc"])
         self.history.append(record)
 
+    def note_target(self, record: dict, target_acc: float | None) -> None:
+        """The first evaluation reaching target_acc (its accuracy with TTA where there is one)."""
+        accuracy = record.get("test_acc_tta", record.get("test_acc"))
+        if target_acc is None or accuracy is None or self.epochs_to_target is not None:
+            return
+        if accuracy >= target_acc:
+            self.time_to_target_s = self.train_time_s + self.eval_time_s
+            self.epochs_to_target = self.epoch
+
     def summary(self) -> dict:
         """Final numbers; images/s leaves out the first epoch (warm-up) when there are more."""
         timed = self.history[1:] if len(self.history) > 1 else self.history
@@ -37,6 +49,7 @@ class Progress:
         peaks = [r["peak_mem_mb"] for r in self.history if r["peak_mem_mb"] is not None]
         return {
             "test_acc": tested[-1]["test_acc"] if tested else None,
+            "test_acc_tta": tested[-1].get("test_acc_tta") if tested else None,
             "best_test_acc": self.best_test_acc,
             "test_loss": tested[-1]["test_loss"] if tested else None,
             "train_loss": self.history[-1]["train_loss"] if self.history else None,
@@ -45,6 +58,9 @@ class Progress:
             "epochs": self.epoch,
             "steps": self.step,
             "train_time_s": self.train_time_s,
+            "eval_time_s": self.eval_time_s,
+            "time_to_target_s": self.time_to_target_s,
+            "epochs_to_target": self.epochs_to_target,
             "peak_mem_mb": max(peaks) if peaks else None,
             "history": self.history,
         }

@@ -24,13 +24,22 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from trainer import checkpoint, distributed, mfu, perf
-from trainer.config import ConfigError, LoaderKind, TrainConfig, TrainerError, to_train_config
+from trainer import checkpoint, distributed, evaluation, mfu, perf
+from trainer.config import (
+    ConfigError,
+    ExportFormat,
+    LoaderKind,
+    TrainConfig,
+    TrainerError,
+    to_train_config,
+)
 from trainer.data import IMAGE_SIZE, gpu_loaders, load_source, torch_loaders
 from trainer.distributed import Ranks
+from trainer.ema import WeightAverage, weight_average
+from trainer.export import export_model
 from trainer.logging import RunLog, SilentRunLog, configure_rank_logging, read_metrics, write_json_atomic
 from trainer.models import build_model
-from trainer.optim import build_optimizer, build_scheduler
+from trainer.optim import build_optimizer, build_scheduler, peak_lr, scaling_rule
 from trainer.progress import Progress
 from trainer.timing import data_wait_timer
 
@@ -89,6 +98,8 @@ class Trainer:
         self.stop_signal: str | None = None
         self.device: torch.device | None = None
         self.resumed_from: str | None = None
+        self.lr_peak: float | None = None  # set by build: optim.lr scaled to the global batch
+        self.exported: str | None = None  # the inference model's file, once written
         self.built = False
 
     # ------------------------------------------------------------------ entry points
@@ -182,22 +193,21 @@ class Trainer:
         processes_per_host = int(os.environ.get("LOCAL_WORLD_SIZE", ranks.world_size))
         decoders = max(1, len(os.sched_getaffinity(0)) // processes_per_host)
         splits = load_source(cfg.data, cfg.seed, processes=decoders)
+        common = dict(
+            augment=cfg.data.augment,
+            batch_size=cfg.batch_size,
+            seed=cfg.seed,
+            rank=ranks.rank,
+            world_size=ranks.world_size,
+            cutout=cfg.data.cutout,
+        )
         if cfg.data.loader is LoaderKind.gpu:
             if device.type != "cuda":
                 perf.cannot_act("data.loader=gpu", f"device is {device}: the dataset stays in host memory")
-            train, test = gpu_loaders(
-                splits, cfg.data.augment, cfg.batch_size, cfg.seed, ranks.rank, ranks.world_size, device
-            )
+            train, test = gpu_loaders(splits, device=device, **common)
         else:
-            train, test = torch_loaders(
-                splits,
-                cfg.data.augment,
-                cfg.batch_size,
-                cfg.seed,
-                ranks.rank,
-                ranks.world_size,
-                perf.dataloader_kwargs(cfg, device, processes_per_host),
-            )
+            loader_kwargs = perf.dataloader_kwargs(cfg, device, processes_per_host)
+            train, test = torch_loaders(splits, loader_kwargs=loader_kwargs, **common)
         if len(train) == 0:
             raise ConfigError(
                 f"batch_size={cfg.batch_size} x {ranks.world_size} process(es) is larger than the "
@@ -224,7 +234,19 @@ class Trainer:
         self.mfu = mfu.meter(cfg, device, flops, ranks.world_size)
         self.no_sync = self.ddp_model.no_sync if wrap_ddp else contextlib.nullcontext
 
-        self.optimizer = build_optimizer(cfg.optim, self.raw_model, perf.optimizer_kwargs(cfg))
+        global_batch = cfg.batch_size * ranks.world_size * cfg.grad_accum_steps
+        self.lr_peak = peak_lr(cfg.optim, global_batch)
+        log.info(
+            "peak lr %.4g: optim.lr=%g for optim.lr_base_batch=%d, scaled (%s) to the global batch %d",
+            self.lr_peak,
+            cfg.optim.lr,
+            cfg.optim.lr_base_batch,
+            scaling_rule(cfg.optim).value,
+            global_batch,
+        )
+        self.optimizer = build_optimizer(cfg.optim, self.raw_model, perf.optimizer_kwargs(cfg), self.lr_peak)
+        self.average = weight_average(cfg.ema, self.raw_model)
+        self.tta_views = evaluation.tta_views(cfg.eval.tta)
         self.steps_per_epoch = math.ceil(len(train) / cfg.grad_accum_steps)
         self.total_steps = cfg.epochs * self.steps_per_epoch
         if cfg.max_steps is not None:
@@ -276,9 +298,13 @@ class Trainer:
             self.progress.batch_in_epoch = 0
             last = self.progress.epoch == cfg.epochs or self.progress.step >= self.total_steps
             if self.progress.epoch % cfg.eval_every == 0 or last:
-                record.update(self.evaluate())
+                evaluated = time.perf_counter()
+                record.update(self.evaluate())  # its all-reduce's .tolist() waits for the device
+                record["eval_s"] = time.perf_counter() - evaluated
+                self.progress.eval_time_s += record["eval_s"]
             record["wall_s"] = time.perf_counter() - self.fit_started
             self.progress.add_epoch(record)
+            self.progress.note_target(record, cfg.target_acc)
             self._report_epoch(record)
             self._save_checkpoint()
             self.run_log.metrics(self.summary())
@@ -297,6 +323,8 @@ class Trainer:
             if epochs_run == 0:  # resumed from a finished run: this run's folder still gets its checkpoint
                 log.info("resume=%s had already finished: nothing left to train", cfg.resume)
                 self._save_checkpoint()
+            if cfg.export is not ExportFormat.none and self.ranks.is_main:
+                self.exported = str(export_model(self.average.module, cfg.export, self.run_dir))
 
     def _report_epoch(self, record: dict) -> None:
         """TensorBoard scalars, one log line, and the input-pipeline hint when data is slow."""
@@ -307,6 +335,7 @@ class Trainer:
                 "train/acc": record["train_acc"],
                 "test/loss": record.get("test_loss"),
                 "test/acc": record.get("test_acc"),
+                "test/acc_tta": record.get("test_acc_tta"),
                 "perf/img_per_s": record["img_per_s"],
                 "perf/mfu": record["mfu"],
                 "perf/epoch_s": record["epoch_s"],
@@ -407,6 +436,7 @@ class Trainer:
         self.zero_grad()
         self.scheduler.step()
         self.progress.step += 1
+        self.average.after_step(self.progress.step)
 
     def _log_window(self, window: list[torch.Tensor], progress, seconds: float) -> float:
         """One host sync per window: read the losses, stop on NaN/inf, log. Returns their sum."""
@@ -418,7 +448,8 @@ class Trainer:
             epoch = self.progress.epoch + 1
             raise NonFiniteLoss(
                 f"training loss became {losses[bad]} at optimizer step {step} (epoch {epoch}): "
-                f"lower optim.lr (now {self.cfg.optim.lr}){self.non_finite_remedy}"
+                f"lower optim.lr (now {self.cfg.optim.lr}, a peak of {self.lr_peak:.4g} at this batch)"
+                f"{self.non_finite_remedy}"
             )
         mean = sum(losses) / len(losses)
         images_per_s = len(losses) * self.images_per_micro_batch / max(seconds, 1e-9)
@@ -432,20 +463,12 @@ class Trainer:
         progress.update(len(losses))
         return sum(losses)
 
-    @torch.no_grad()
     def evaluate(self) -> dict:
-        """Test loss and accuracy over every test image exactly once (summed across ranks)."""
-        model = self.raw_model
-        model.eval()
-        totals = torch.zeros(3, dtype=torch.float64, device=self.device)
-        for images, labels in self.test_batches:
-            with self.autocast():
-                logits = model(images)
-            totals[0] += nn.functional.cross_entropy(logits.float(), labels, reduction="sum")
-            totals[1] += (logits.argmax(dim=1) == labels).sum()
-            totals[2] += labels.numel()
-        loss, correct, count = distributed.all_reduce_sum(totals, self.ranks).tolist()
-        return {"test_loss": loss / count, "test_acc": correct / count}
+        """Test loss and accuracy over every test image exactly once (summed across ranks), of
+        the weight average when ema is on; with eval.tta also test_acc_tta."""
+        return evaluation.evaluate(
+            self.average.module, self.test_batches, self.tta_views, self.device, self.autocast, self.ranks
+        )
 
     # ------------------------------------------------------------------ stop, checkpoint, resume
 
@@ -469,14 +492,17 @@ class Trainer:
         return self.stop_signal is not None
 
     def _stateful(self) -> dict:
-        """Everything a checkpoint holds the state of, by name."""
-        return {
+        """Everything a checkpoint holds the state of, by name (the weight average when ema is on)."""
+        stateful = {
             "model": self.raw_model,
             "optimizer": self.optimizer,
             "scheduler": self.scheduler,
             "scaler": self.scaler,
             "progress": self.progress,
         }
+        if isinstance(self.average, WeightAverage):
+            stateful["ema"] = self.average
+        return stateful
 
     def _save_checkpoint(self) -> None:
         if self.ranks.is_main:
@@ -514,6 +540,9 @@ class Trainer:
             "torch": torch.__version__,
             "overrides": self.overrides,
             "resumed_from": self.resumed_from,
+            "lr_peak": self.lr_peak,
+            "target_acc": self.cfg.target_acc,
+            "export": self.exported,
         }
 
     def _record_failure(self, error: BaseException) -> None:

@@ -16,7 +16,12 @@ CROP_POSITIONS = 2 * PADDING + 1  # top (and left) offsets 0..8 in the padded im
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR10_STD = (0.2470, 0.2435, 0.2616)
 
+# Cutout fills with the mean colour, which the Normalizer maps to about 0 (the usual fill of a
+# cutout applied after normalization).
+CUTOUT_FILL = tuple(round(255 * mean) for mean in CIFAR10_MEAN)
+
 _MASK64 = np.uint64(2**64 - 1)
+_CUTOUT_STREAM = np.uint64(0x5851F42D4C957F2D)  # keeps the cutout's bits apart from the crop's
 
 
 def _mix(x: np.ndarray) -> np.ndarray:
@@ -38,6 +43,36 @@ def augmentation(seed: int, epoch: int, indices: np.ndarray) -> tuple[np.ndarray
     left = ((bits >> np.uint64(16)) % np.uint64(CROP_POSITIONS)).astype(np.int64)
     flip = ((bits >> np.uint64(32)) & np.uint64(1)).astype(bool)
     return top, left, flip
+
+
+def cutout_corners(seed: int, epoch: int, indices: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(top, left) of each image's cutout square in this epoch: its centre is uniform over the
+    image, so the square may reach past an edge (the part inside is blanked)."""
+    bits = _mix(_mix(epoch_key(seed, epoch) ^ np.asarray(indices, dtype=np.uint64)) ^ _CUTOUT_STREAM)
+    top = (bits % np.uint64(IMAGE_SIZE)).astype(np.int64) - size // 2
+    left = ((bits >> np.uint64(16)) % np.uint64(IMAGE_SIZE)).astype(np.int64) - size // 2
+    return top, left
+
+
+def cutout_square(top, left, size: int, steps):
+    """(B, 1, 32, 32) booleans, true inside each image's square [top, top + size) x [left,
+    left + size); numpy or torch alike (`steps`: 0..31 as either)."""
+    rows = (steps >= top[:, None]) & (steps < top[:, None] + size)
+    cols = (steps >= left[:, None]) & (steps < left[:, None] + size)
+    return (rows[:, :, None] & cols[:, None, :])[:, None]
+
+
+def cutout_numpy(images: np.ndarray, top: np.ndarray, left: np.ndarray, size: int) -> np.ndarray:
+    """(B, C, 32, 32) uint8 with each image's square set to CUTOUT_FILL."""
+    fill = np.asarray(CUTOUT_FILL, dtype=images.dtype)[None, :, None, None]
+    return np.where(cutout_square(top, left, size, np.arange(IMAGE_SIZE)), fill, images)
+
+
+def cutout(images: torch.Tensor, top: torch.Tensor, left: torch.Tensor, size: int) -> torch.Tensor:
+    """`cutout_numpy` on a device tensor."""
+    steps = torch.arange(IMAGE_SIZE, device=images.device)
+    fill = torch.tensor(CUTOUT_FILL, dtype=images.dtype, device=images.device).view(1, -1, 1, 1)
+    return torch.where(cutout_square(top, left, size, steps), fill, images)
 
 
 def epoch_order(count: int, seed: int, epoch: int, rank: int, world_size: int) -> np.ndarray:

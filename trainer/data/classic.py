@@ -20,6 +20,8 @@ from trainer.data.augment import (
     augmentation,
     crop_and_flip_numpy,
     crop_windows,
+    cutout_corners,
+    cutout_numpy,
     epoch_order,
     pad,
     rank_shard,
@@ -66,11 +68,17 @@ class EpochBatches(Sampler):
             yield EpochBatch(self.epoch, order[batch * self.batch_size : (batch + 1) * self.batch_size])
 
 
+def with_cutout(images: np.ndarray, seed: int, epoch: int, index: np.ndarray, size: int) -> np.ndarray:
+    if size == 0:
+        return images
+    return cutout_numpy(images, *cutout_corners(seed, epoch, index, size), size)
+
+
 class MemoryBatches(Dataset):
     """Batches cut from uint8 images held in memory."""
 
-    def __init__(self, split: ImageSplit, seed: int, augment: bool):
-        self.labels, self.seed, self.augment = split.labels, seed, augment
+    def __init__(self, split: ImageSplit, seed: int, augment: bool, cutout: int):
+        self.labels, self.seed, self.augment, self.cutout = split.labels, seed, augment, cutout
         images = split.images.numpy()
         self.images = images
         self.windows = crop_windows(pad(images)) if augment else None
@@ -84,14 +92,16 @@ class MemoryBatches(Dataset):
             images = crop_and_flip_numpy(self.windows, index, *augmentation(self.seed, epoch, index))
         else:
             images = self.images[index]
+        images = with_cutout(images, self.seed, epoch, index, self.cutout)
         return torch.from_numpy(images), self.labels[index]
 
 
 class FileBatches(Dataset):
     """Batches decoded file by file, every epoch (folders too large to hold in memory)."""
 
-    def __init__(self, split: ImageSplit, seed: int, augment: bool):
+    def __init__(self, split: ImageSplit, seed: int, augment: bool, cutout: int):
         self.labels, self.files, self.seed, self.augment = split.labels, split.files, seed, augment
+        self.cutout = cutout
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -103,6 +113,7 @@ class FileBatches(Dataset):
             images = crop_and_flip_numpy(
                 crop_windows(pad(images)), np.arange(len(index)), *augmentation(self.seed, epoch, index)
             )
+        images = with_cutout(images, self.seed, epoch, index, self.cutout)
         return torch.from_numpy(images), self.labels[index]
 
 
@@ -113,9 +124,9 @@ class EpochLoader(DataLoader):
         self.sampler.set_epoch(epoch, skip_batches)
 
 
-def batches_of(split: ImageSplit, seed: int, augment: bool) -> Dataset:
+def batches_of(split: ImageSplit, seed: int, augment: bool, cutout: int = 0) -> Dataset:
     kind = MemoryBatches if split.images is not None else FileBatches
-    return kind(split, seed, augment)
+    return kind(split, seed, augment, cutout)
 
 
 def torch_loaders(
@@ -126,10 +137,12 @@ def torch_loaders(
     rank: int,
     world_size: int,
     loader_kwargs: dict,
+    cutout: int = 0,
 ) -> tuple[EpochLoader, EpochLoader]:
+    """cutout: the square's size in pixels for training batches (0: none)."""
     loaders = []
     for split, train in ((splits.train, True), (splits.test, False)):
         sampler = EpochBatches(len(split), batch_size, seed, rank, world_size, train)
-        dataset = batches_of(split, seed, augment and train)
+        dataset = batches_of(split, seed, augment and train, cutout if train else 0)
         loaders.append(EpochLoader(dataset, batch_size=None, sampler=sampler, **loader_kwargs))
     return loaders[0], loaders[1]

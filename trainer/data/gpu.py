@@ -13,7 +13,15 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from trainer.data.augment import PADDING, augmentation, crop_and_flip, epoch_order, rank_shard
+from trainer.data.augment import (
+    PADDING,
+    augmentation,
+    crop_and_flip,
+    cutout,
+    cutout_corners,
+    epoch_order,
+    rank_shard,
+)
 from trainer.data.sources import ImageSplit
 
 
@@ -32,12 +40,14 @@ class GpuLoader:
         seed: int,
         rank: int = 0,
         world_size: int = 1,
+        cutout: int = 0,
     ):
         self.device = images.device
         self.labels = labels
         self.batch_size = batch_size
         self.train = train
         self.augment = augment and train
+        self.cutout = cutout if train else 0
         self.seed, self.rank, self.world_size = seed, rank, world_size
         self.images = F.pad(images, (PADDING,) * 4) if self.augment else images
         self.epoch, self.skip = 0, 0
@@ -65,17 +75,31 @@ class GpuLoader:
                 torch.from_numpy(np.ascontiguousarray(values)).to(self.device)
                 for values in augmentation(self.seed, self.epoch, order)
             )
+        if self.cutout:
+            cut_top, cut_left = (
+                torch.from_numpy(values).to(self.device)
+                for values in cutout_corners(self.seed, self.epoch, order, self.cutout)
+            )
         for start in range(0, len(order), self.batch_size):
             batch = slice(start, start + self.batch_size)
             if self.augment:
                 images = crop_and_flip(self.images, index[batch], top[batch], left[batch], flip[batch])
             else:
                 images = self.images[index[batch]]
+            if self.cutout:
+                images = cutout(images, cut_top[batch], cut_left[batch], self.cutout)
             yield images, self.labels[index[batch]]
 
 
 def gpu_loaders(
-    splits, augment: bool, batch_size: int, seed: int, rank: int, world_size: int, device: torch.device
+    splits,
+    augment: bool,
+    batch_size: int,
+    seed: int,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    cutout: int = 0,
 ) -> tuple[GpuLoader, GpuLoader]:
     loaders = []
     for split, train in ((splits.train, True), (splits.test, False)):
@@ -90,6 +114,7 @@ def gpu_loaders(
                 seed=seed,
                 rank=rank,
                 world_size=world_size,
+                cutout=cutout,
             )
         )
     return loaders[0], loaders[1]

@@ -1,0 +1,228 @@
+"""The recipe toggles act (TTA, EMA, target accuracy, export) and the trained model is usable:
+one small run with all of them on, shared by most tests here (CPU)."""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import compose_config, read_metrics
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch import nn
+
+from trainer import Trainer
+from trainer.config import ExportFormat, TtaMode, to_train_config
+from trainer.data import Normalizer, synthetic_split
+from trainer.ema import WeightAverage
+from trainer.evaluate import EVALUATION, evaluate_run, evaluated_weights, main
+from trainer.evaluation import evaluate, tta_views
+from trainer.export import FILES, load_exported
+from trainer.models import fastcnn
+from trainer.progress import Progress
+
+RECIPE = (
+    "deterministic=true",
+    "epochs=2",
+    "data.train_size=128",  # 4 steps per epoch
+    "data.cutout=8",
+    "eval.tta=flip_translate",
+    "ema.enabled=true",
+    "ema.decay=0.5",
+    "ema.update_every=2",
+    "target_acc=0.05",
+    "export=export",
+)
+
+
+def load_checkpoint(run_dir: Path) -> dict:
+    return torch.load(run_dir / "checkpoints" / "last.pt", map_location="cpu", weights_only=False)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def restore_deterministic_mode_and_threads():
+    """One thread: on a shared 2-core machine, torch's spinning threads run 10-20x slower under load."""
+    before, threads = torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.use_deterministic_algorithms(before)
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def recipe_run(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("recipe") / "run"
+    Trainer(compose_config(*RECIPE), run_dir).fit()
+    return run_dir
+
+
+def test_recipe_toggles_are_off_by_default_and_in_the_baseline():
+    for overrides in ((), ("perf=baseline",)):
+        cfg = to_train_config(compose_config(*overrides, small=False))
+        assert (cfg.eval.tta, cfg.ema.enabled, cfg.data.cutout) == (TtaMode.none, False, 0)
+        assert (cfg.target_acc, cfg.export) == (None, ExportFormat.none)
+
+
+@pytest.mark.parametrize(("recipe", "epochs"), [("resnet18_94", 26), ("fastcnn_94", 10)])
+def test_recipe_presets_set_how_to_train_and_leave_speed_to_perf(recipe, epochs):
+    plain = to_train_config(compose_config("perf=fast", small=False))
+    cfg = to_train_config(compose_config("perf=fast", f"recipe={recipe}", small=False))
+    assert cfg.eval.tta is TtaMode.flip_translate and cfg.data.cutout > 0
+    assert cfg.optim.label_smoothing > 0 and cfg.optim.lr == 0.1 and cfg.epochs == epochs
+    speed = ("amp", "compile", "channels_last", "batch_size", "fused_optimizer", "set_to_none")
+    assert all(getattr(cfg, key) == getattr(plain, key) for key in speed)
+
+
+def test_tta_averages_the_logits_of_the_views():
+    """A model that reads the left column as class 0 and twice the right column as class 1:
+    images bright on the left and labelled 1 are all wrong plainly, all right with the mirror."""
+
+    class Columns(nn.Module):
+        def forward(self, images):
+            return torch.stack([images[..., 0].mean(dim=(1, 2)), 2 * images[..., -1].mean(dim=(1, 2))], 1)
+
+    images = torch.zeros(6, 3, 32, 32)
+    images[..., :16] = 1.0
+    batches = [(images, torch.ones(6, dtype=torch.long))]
+    device = torch.device("cpu")
+    assert evaluate(Columns(), batches, tta_views(TtaMode.none), device) == pytest.approx(
+        {"test_loss": math.log(1 + math.e), "test_acc": 0.0}
+    )
+    assert evaluate(Columns(), batches, tta_views(TtaMode.flip), device)["test_acc_tta"] == 1.0
+
+
+def test_translated_views_move_the_image_one_pixel_with_reflected_edges():
+    images = torch.arange(2 * 3 * 32 * 32, dtype=torch.float32).view(2, 3, 32, 32)
+    views = tta_views(TtaMode.flip_translate)
+    assert len(views) == 6 and torch.equal(views[0](images), images)
+    assert torch.equal(views[1](images), images.flip(-1))
+    down_right, up_left = views[2](images), views[3](images)
+    assert torch.equal(down_right[..., 1:, 1:], images[..., :-1, :-1])
+    assert torch.equal(down_right[..., 0, 1:], images[..., 1, :-1])  # row -1 reflects row 1
+    assert torch.equal(up_left[..., :-1, :-1], images[..., 1:, 1:])
+    assert torch.equal(views[5](images), up_left.flip(-1))
+
+
+def test_the_weight_average_follows_its_decay_and_copies_batchnorm_statistics():
+    model = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+    average = WeightAverage(model, decay=0.5, update_every=2)
+    weights = []
+    for step in range(1, 5):
+        with torch.no_grad():
+            model[0].weight.fill_(float(step))
+            model[1].running_mean.fill_(10.0 * step)
+        weights.append(float(step))
+        average.after_step(step)
+    # updates at steps 2 (a copy) and 4: 0.5 * 2 + 0.5 * 4
+    assert torch.equal(average.module[0].weight, torch.full((2, 2), 3.0))
+    assert torch.equal(average.module[1].running_mean, torch.full((2,), 40.0))
+
+
+def test_the_run_reports_tta_and_time_to_target(recipe_run):
+    metrics = read_metrics(recipe_run)
+    history = metrics["history"]
+    assert all("test_acc_tta" in record and record["eval_s"] > 0 for record in history)
+    assert metrics["test_acc_tta"] == history[-1]["test_acc_tta"]
+    assert metrics["epochs_to_target"] == 1 and metrics["target_acc"] == 0.05
+    assert metrics["time_to_target_s"] == pytest.approx(history[0]["train_time_s"] + history[0]["eval_s"])
+    events = EventAccumulator(str(recipe_run / "tb"), size_guidance={"scalars": 0})
+    events.Reload()
+    assert [event.value for event in events.Scalars("test/acc_tta")] == [r["test_acc_tta"] for r in history]
+
+
+def test_an_unreached_target_is_null():
+    progress = Progress(epoch=3, train_time_s=5.0)
+    progress.note_target({"test_acc": 0.9, "test_acc_tta": 0.93}, target_acc=0.94)
+    assert progress.summary()["time_to_target_s"] is None and progress.epochs_to_target is None
+    progress.note_target({"test_acc": 0.9, "test_acc_tta": 0.95}, target_acc=0.94)
+    assert (progress.epochs_to_target, progress.time_to_target_s) == (3, 5.0)
+
+
+def test_the_weight_average_is_checkpointed_and_is_what_is_evaluated(recipe_run):
+    saved = load_checkpoint(recipe_run)
+    assert saved["ema"]["n_averaged"] == 4  # 8 steps, every 2nd
+    assert not torch.equal(saved["ema"]["module.0.weight"], saved["model"]["0.weight"])
+    result = evaluate_run(str(recipe_run), [])
+    assert result["weights"] == "ema" and result["tta"] == "flip_translate"
+    metrics = read_metrics(recipe_run)
+    for key in ("test_loss", "test_acc", "test_acc_tta"):
+        assert result[key] == pytest.approx(metrics[key], abs=1e-6), key
+    assert json.loads((recipe_run / EVALUATION).read_text()) == result
+    flip = evaluate_run(str(recipe_run / "checkpoints" / "last.pt"), ["eval.tta=flip", "batch_size=50"])
+    assert flip["test_acc"] == pytest.approx(metrics["test_acc"]) and "test_acc_tta" in flip
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit:FutureWarning")
+@pytest.mark.parametrize("fmt", [ExportFormat.export, ExportFormat.torchscript])
+def test_the_export_gives_the_checkpoints_logits(recipe_run, fmt):
+    if fmt is ExportFormat.torchscript:
+        evaluate_run(str(recipe_run), [], export=fmt)
+    exported = load_exported(recipe_run / "export" / FILES[fmt])
+    saved = load_checkpoint(recipe_run)
+    model = Trainer(compose_config(*RECIPE), recipe_run.parent / "fresh").build().average.module
+    model.load_state_dict(evaluated_weights(saved)[1])
+    images = synthetic_split(5, train=False, seed=1).images
+    expected = model.eval()(Normalizer(torch.device("cpu"))(images))
+    torch.testing.assert_close(exported(images), expected)
+
+
+def test_resume_with_ema_ends_with_the_uninterrupted_average(recipe_run, tmp_path):
+    class StopAfterFirstEpoch(Trainer):
+        def evaluate(self) -> dict:
+            signal.raise_signal(signal.SIGTERM)  # as `kill` would: the run stops at this epoch's end
+            return super().evaluate()
+
+    assert StopAfterFirstEpoch(compose_config(*RECIPE), tmp_path / "stopped").fit()["steps"] == 4
+    resumed = Trainer(compose_config(*RECIPE, f"resume={tmp_path / 'stopped'}"), tmp_path / "resumed").fit()
+    assert resumed["steps"] == 8
+    expected, actual = load_checkpoint(recipe_run)["ema"], load_checkpoint(tmp_path / "resumed")["ema"]
+    assert expected.keys() == actual.keys()
+    assert all(torch.equal(expected[name], actual[name]) for name in expected)
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        (["nowhere"], "no checkpoint at nowhere: give a run folder that holds checkpoints/last.pt"),
+        (["RUN", "eval.ttta=flip"], "unknown config key 'eval.ttta'. Did you mean 'eval.tta'?"),
+        (["RUN", "eval.tta=sideways"], "invalid value for eval.tta"),
+    ],
+)
+def test_bad_evaluate_input_is_one_line_and_a_failing_exit(recipe_run, capsys, argv, fragment):
+    argv = [str(recipe_run) if arg == "RUN" else arg for arg in argv]
+    assert main(argv) == 1
+    error = capsys.readouterr().err
+    assert error.startswith("evaluate: error: ") and fragment in error and error.count("\n") == 1
+
+
+def test_fastcnn_learns_and_takes_channels_last():
+    torch.manual_seed(0)
+    model = fastcnn(10, conv_bias=False, widths=(16, 32, 64, 64))  # narrower than the default, for a CPU
+    normalize = Normalizer(torch.device("cpu"))
+    train, test = synthetic_split(256, train=True, seed=0), synthetic_split(256, train=False, seed=0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9, nesterov=True)
+    for _ in range(2):
+        for start in range(0, 256, 32):
+            images, labels = normalize(train.images[start : start + 32]), train.labels[start : start + 32]
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(images), labels).backward()
+            optimizer.step()
+    model.eval()
+    with torch.no_grad():
+        images = normalize(test.images)
+        logits = model(images)
+        torch.testing.assert_close(model(images.contiguous(memory_format=torch.channels_last)), logits)
+    assert (logits.argmax(1) == test.labels).float().mean() > 0.6  # chance is 0.1
+
+
+def test_model_fastcnn_builds_trains_and_checkpoints(tmp_path):
+    overrides = ("model=fastcnn", "data.train_size=32", "data.test_size=16", "max_steps=1")
+    metrics = Trainer(compose_config(*overrides), tmp_path / "run").fit()
+    assert metrics["status"] == "completed" and metrics["flops_per_image"] > 0
+    saved = load_checkpoint(tmp_path / "run")
+    fresh = fastcnn(10)
+    fresh.load_state_dict(saved["model"])
+    assert saved["config"]["model"]["name"] == "fastcnn"

@@ -1,0 +1,145 @@
+"""`python -m trainer.evaluate RUN [key=value ...] [--export FORMAT]`: test metrics of a saved run.
+
+RUN is a run folder (holding checkpoints/last.pt) or a checkpoint file. The run's own config
+is used, with the overrides on top: `eval.tta=flip_translate`, `device=cpu`, `batch_size=1000`,
+`data.root=/elsewhere`. The evaluated weights are the run's weight average when it trained
+with ema, else its weights. The metrics are printed and written to evaluation.json in the run
+folder; `--export` also saves the model for inference there (export/, see trainer.export).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from trainer.checkpoint import CHECKPOINT
+from trainer.config import ExportFormat, TrainConfig, TrainerError, to_train_config
+
+log = logging.getLogger("trainer.evaluate")
+EVALUATION = "evaluation.json"
+
+
+def checkpoint_file(run: str) -> Path:
+    path = Path(run).expanduser()
+    path = path / CHECKPOINT if path.is_dir() else path
+    if not path.is_file():
+        raise TrainerError(
+            f"no checkpoint at {path}: give a run folder that holds {CHECKPOINT} or a checkpoint file"
+        )
+    return path
+
+
+def run_folder(checkpoint_path: Path) -> Path:
+    """checkpoints/last.pt lives in its run folder; any other checkpoint file gets its own folder."""
+    if checkpoint_path.parent.name == CHECKPOINT.parent.name:
+        return checkpoint_path.parent.parent
+    return checkpoint_path.parent
+
+
+def with_overrides(saved: dict, overrides: list[str]) -> TrainConfig:
+    for override in overrides:
+        if "=" not in override:
+            raise TrainerError(f"'{override}' is not key=value: e.g. eval.tta=flip")
+    merged = OmegaConf.merge(OmegaConf.create(saved), OmegaConf.from_dotlist(overrides))
+    merged.resume = None
+    return to_train_config(merged)
+
+
+def evaluated_weights(state: dict) -> tuple[str, dict]:
+    """('ema', the average's weights) when the run kept one, else ('model', its weights)."""
+    if "ema" not in state:
+        return "model", state["model"]
+    prefix = "module."
+    return "ema", {
+        name[len(prefix) :]: value for name, value in state["ema"].items() if name.startswith(prefix)
+    }
+
+
+def evaluate_run(run: str, overrides: list[str], export: ExportFormat = ExportFormat.none) -> dict:
+    import torch
+
+    from trainer import evaluation, perf
+    from trainer.checkpoint import load_checkpoint
+    from trainer.data import load_source, torch_loaders
+    from trainer.distributed import Ranks
+    from trainer.export import export_model
+    from trainer.logging import write_json_atomic
+    from trainer.models import build_model
+    from trainer.trainer import resolve_device
+
+    path, state = load_checkpoint(str(checkpoint_file(run)))
+    cfg = with_overrides(state["config"], overrides)
+    device = resolve_device(cfg.device, Ranks(), ddp=False)
+    splits = load_source(cfg.data, cfg.seed)
+    kwargs = perf.dataloader_kwargs(cfg, device)
+    _, test = torch_loaders(splits, False, cfg.batch_size, cfg.seed, 0, 1, loader_kwargs=kwargs)
+    model = build_model(cfg.model, num_classes=len(splits.classes))
+    weights_name, weights = evaluated_weights(state)
+    try:
+        model.load_state_dict(weights)
+    except RuntimeError as error:
+        raise TrainerError(
+            f"{path} does not fit this model and data ({str(error).strip().splitlines()[0]}): "
+            "evaluate with the model and data the run was trained with"
+        ) from None
+    model = model.to(device, memory_format=perf.memory_format(cfg))
+    metrics = evaluation.evaluate(
+        model,
+        perf.device_batches(cfg, test, device),
+        evaluation.tta_views(cfg.eval.tta),
+        device,
+        perf.autocast_context(cfg, device),
+    )
+    folder = run_folder(path)
+    result = {
+        "checkpoint": str(path),
+        "weights": weights_name,
+        "epoch": state.get("epoch"),
+        "step": state.get("step"),
+        "tta": cfg.eval.tta.value,
+        **metrics,
+        "overrides": overrides,
+        "device": str(device),
+        "torch": torch.__version__,
+    }
+    if export is not ExportFormat.none:
+        result["export"] = str(export_model(model, export, folder))
+    write_json_atomic(folder / EVALUATION, result)
+    return result
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m trainer.evaluate",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("run", help="a run folder or a checkpoint file")
+    parser.add_argument(
+        "overrides", nargs="*", help="key=value on top of the run's config, e.g. eval.tta=flip"
+    )
+    choices = [fmt.value for fmt in ExportFormat if fmt is not ExportFormat.none]
+    parser.add_argument("--export", choices=choices, help="also save the model for inference (export/)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    try:
+        result = evaluate_run(args.run, args.overrides, ExportFormat(args.export or "none"))
+    except TrainerError as error:
+        print(f"evaluate: error: {error}", file=sys.stderr)
+        return 1
+    print(json.dumps(result, indent=2))
+    print(f"wrote {run_folder(Path(result['checkpoint'])) / EVALUATION}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

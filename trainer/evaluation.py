@@ -1,0 +1,89 @@
+"""Evaluation over the test set: loss and accuracy of the plain images, and with test-time
+augmentation (TTA) the accuracy of the logits averaged over several views of each image.
+
+The views of a batch go through the model as one batch (in eval mode BatchNorm uses its
+running statistics, so this is the same as one pass per view, in fewer launches); the first
+view is the image itself, so the plain numbers come from the same pass.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainer import distributed
+from trainer.config import TtaMode
+from trainer.distributed import Ranks
+
+View = Callable[[torch.Tensor], torch.Tensor]
+TRANSLATE_PIXELS = 1  # the translated views move the image this far along both axes
+
+
+def identity(images: torch.Tensor) -> torch.Tensor:
+    return images
+
+
+def mirror(images: torch.Tensor) -> torch.Tensor:
+    return images.flip(-1)
+
+
+def translate(offset: int) -> View:
+    """Shift by `offset` pixels down and right (negative: up and left), edges reflected."""
+
+    def view(images: torch.Tensor) -> torch.Tensor:
+        size = images.shape[-1]
+        padded = F.pad(images, (TRANSLATE_PIXELS,) * 4, mode="reflect")
+        start = TRANSLATE_PIXELS - offset
+        return padded[..., start : start + size, start : start + size]
+
+    return view
+
+
+def flipped(view: View) -> View:
+    return lambda images: mirror(view(images))
+
+
+def tta_views(mode: TtaMode) -> list[View]:
+    """The views whose logits are averaged; the first is always the image itself."""
+    if mode is TtaMode.none:
+        return [identity]
+    if mode is TtaMode.flip:
+        return [identity, mirror]
+    shifted = [translate(TRANSLATE_PIXELS), translate(-TRANSLATE_PIXELS)]
+    return [identity, mirror, *shifted, *(flipped(view) for view in shifted)]
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module,
+    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    views: list[View],
+    device: torch.device,
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    ranks: Ranks | None = None,
+) -> dict:
+    """test_loss and test_acc of the plain images; test_acc_tta when there are several views.
+    Summed across ranks (each rank holding its own shard of the test set)."""
+    model.eval()
+    totals = torch.zeros(4, dtype=torch.float64, device=device)
+    for images, labels in batches:
+        with autocast():
+            logits = model(torch.cat([view(images) for view in views]))
+        logits = logits.float().view(len(views), len(labels), -1)
+        totals += torch.stack(
+            [
+                F.cross_entropy(logits[0], labels, reduction="sum").double(),
+                (logits[0].argmax(dim=1) == labels).sum().double(),
+                torch.tensor(labels.numel(), dtype=torch.float64, device=labels.device),
+                (logits.mean(dim=0).argmax(dim=1) == labels).sum().double(),
+            ]
+        )
+    loss, correct, count, correct_tta = distributed.all_reduce_sum(totals, ranks or Ranks()).tolist()
+    result = {"test_loss": loss / count, "test_acc": correct / count}
+    if len(views) > 1:
+        result["test_acc_tta"] = correct_tta / count
+    return result
