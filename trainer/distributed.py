@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 # Seconds the ranks get to stop at a step and save after SIGTERM/SIGINT, before SIGKILL.
 STOP_GRACE_S = 60
+UNSHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 STOPPED_EXIT_CODE = 130  # a rank that stopped at a step and saved, as asked
 
 
@@ -158,6 +159,12 @@ def launch(world_size: int, target: Callable, args: tuple, max_restarts: int = 0
         **{name: value for name, value in newer.items() if name in supported},
     )
     previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    # A restarted group must not meet in the agent's rendezvous store: the killed group's
+    # gloo addresses are still there, and a new rank that reads one first connects to a dead
+    # port (seen here: connectFullMesh "Connection refused", or a hang). Unshared, rank 0 of
+    # every attempt hosts a fresh store on a fresh port.
+    shared_store = os.environ.get(UNSHARED_STORE)
+    os.environ[UNSHARED_STORE] = "1"
     try:
         return elastic_launch(config, _elastic_worker)(target, args)[0]
     except ChildFailedError as error:
@@ -170,6 +177,10 @@ def launch(world_size: int, target: Callable, args: tuple, max_restarts: int = 0
     finally:
         for signum, handler in previous.items():  # the agent leaves its own handlers installed
             signal.signal(signum, handler)
+        if shared_store is None:
+            os.environ.pop(UNSHARED_STORE, None)
+        else:
+            os.environ[UNSHARED_STORE] = shared_store
         shutil.rmtree(error_files, ignore_errors=True)
 
 
