@@ -11,7 +11,6 @@ import contextlib
 import functools
 import logging
 import os
-import signal
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
@@ -98,22 +97,12 @@ def memory_format(cfg: TrainConfig) -> torch.memory_format:
     return torch.channels_last if cfg.channels_last else torch.contiguous_format
 
 
-WORKER_STOP_GRACE_S = 30  # a worker outlives a SIGTERM this long: the main process's stop and save
-
-
 def leave_stops_to_the_main_process(_worker_id: int) -> None:
     """In each DataLoader worker. Ctrl-C and `kill -TERM -- -<pgid>` (terminals, job schedulers)
-    reach every process of the group; a worker that dies of them fails the run. The main process
-    stops at the next step, saves, and ends its workers itself."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, _outlive_the_stop)
-
-
-def _outlive_the_stop(_signum, _frame) -> None:
-    """Ignore a SIGTERM for a grace period, then go: a worker that ignored it for good would hang
-    a parent that terminates and joins it (multiprocessing does so for daemons at exit)."""
-    signal.signal(signal.SIGALRM, signal.SIG_DFL)
-    signal.alarm(WORKER_STOP_GRACE_S)
+    reach every process of the group, and a worker that dies of them fails the run. A worker
+    leaves for a process group of its own, so only the main process gets them: it stops at the
+    next step, saves, and ends its workers itself (a SIGTERM sent to a worker still ends it)."""
+    os.setpgid(0, 0)
 
 
 def worker_count(cfg: TrainConfig, device: torch.device, processes_per_host: int) -> int:
