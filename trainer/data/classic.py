@@ -51,21 +51,22 @@ class EpochBatches(Sampler):
     def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
         self.epoch, self.skip = epoch, skip_batches
 
-    def order(self) -> np.ndarray:
-        if self.train:
-            return epoch_order(self.count, self.seed, self.epoch, self.rank, self.world_size)
-        return rank_shard(self.count, self.rank, self.world_size)
-
     def __len__(self) -> int:
         if self.train:
             return self.count // self.world_size // self.batch_size - self.skip
         return -(-len(rank_shard(self.count, self.rank, self.world_size)) // self.batch_size)
 
+    def epoch_indices(self) -> np.ndarray:
+        """The images of this epoch's remaining batches, in order (len(self) batches of them)."""
+        if self.train:
+            order = epoch_order(self.count, self.seed, self.epoch, self.rank, self.world_size)
+            return order[self.skip * self.batch_size : (self.skip + len(self)) * self.batch_size]
+        return rank_shard(self.count, self.rank, self.world_size)
+
     def __iter__(self) -> Iterator[EpochBatch]:
-        order = self.order()
-        first = self.skip if self.train else 0
-        for batch in range(first, first + len(self)):
-            yield EpochBatch(self.epoch, order[batch * self.batch_size : (batch + 1) * self.batch_size])
+        indices = self.epoch_indices()
+        for start in range(0, len(indices), self.batch_size):
+            yield EpochBatch(self.epoch, indices[start : start + self.batch_size])
 
 
 def with_cutout(images: np.ndarray, seed: int, epoch: int, index: np.ndarray, size: int) -> np.ndarray:

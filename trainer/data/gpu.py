@@ -19,9 +19,8 @@ from trainer.data.augment import (
     crop_and_flip,
     cutout,
     cutout_corners,
-    epoch_order,
-    rank_shard,
 )
+from trainer.data.classic import EpochBatches
 from trainer.data.sources import ImageSplit
 
 
@@ -45,40 +44,31 @@ class GpuLoader:
         self.device = images.device
         self.labels = labels
         self.batch_size = batch_size
-        self.train = train
         self.augment = augment and train
         self.cutout = cutout if train else 0
-        self.seed, self.rank, self.world_size = seed, rank, world_size
+        self.seed = seed
         self.images = F.pad(images, (PADDING,) * 4) if self.augment else images
-        self.epoch, self.skip = 0, 0
+        self.batches = EpochBatches(len(labels), batch_size, seed, rank, world_size, train)
 
     def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
-        self.epoch, self.skip = epoch, skip_batches
+        self.batches.set_epoch(epoch, skip_batches)
 
     def __len__(self) -> int:
-        if self.train:
-            return len(self.labels) // self.world_size // self.batch_size - self.skip
-        shard = len(rank_shard(len(self.labels), self.rank, self.world_size))
-        return -(-shard // self.batch_size)
+        return len(self.batches)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        count = len(self.labels)
-        if self.train:
-            order = epoch_order(count, self.seed, self.epoch, self.rank, self.world_size)
-        else:
-            order = rank_shard(count, self.rank, self.world_size)
-        first = self.skip if self.train else 0
-        order = order[first * self.batch_size : (first + len(self)) * self.batch_size]
+        # The DataLoader path's batches, drawn for the whole epoch and copied over at once.
+        order, epoch = self.batches.epoch_indices(), self.batches.epoch
         index = torch.from_numpy(order).to(self.device)
         if self.augment:
             top, left, flip = (
                 torch.from_numpy(np.ascontiguousarray(values)).to(self.device)
-                for values in augmentation(self.seed, self.epoch, order)
+                for values in augmentation(self.seed, epoch, order)
             )
         if self.cutout:
             cut_top, cut_left = (
                 torch.from_numpy(values).to(self.device)
-                for values in cutout_corners(self.seed, self.epoch, order, self.cutout)
+                for values in cutout_corners(self.seed, epoch, order, self.cutout)
             )
         for start in range(0, len(order), self.batch_size):
             batch = slice(start, start + self.batch_size)
