@@ -7,9 +7,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import site
 import subprocess
 import sys
 import venv
+from pathlib import Path
 
 from conftest import REPO
 
@@ -27,6 +29,20 @@ def run(*command, cwd=None, env=None) -> subprocess.CompletedProcess:
     result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stdout + result.stderr
     return result
+
+
+def see_this_interpreters_packages(environment) -> None:
+    """Let the venv at `environment` import what this interpreter can (torch, hydra, ...).
+
+    `system_site_packages=True` would not do: from inside a venv or a conda env it shows the
+    base interpreter's site-packages, not the ones the dependencies were installed into. A .pth
+    file in the new venv adds this interpreter's site folders, their own .pth files included,
+    after the venv's own site-packages, so the wheel installed there still comes first."""
+    folders = site.getsitepackages() + ([site.getusersitepackages()] if site.ENABLE_USER_SITE else [])
+    python = environment / "bin" / "python"
+    purelib = run(str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))").stdout.strip()
+    lines = [f"import site; site.addsitedir({folder!r})" for folder in folders]
+    (Path(purelib) / "outer_site_packages.pth").write_text("\n".join(lines) + "\n")
 
 
 def test_a_built_wheel_runs_from_any_folder_with_the_configs_inside(tmp_path):
@@ -53,9 +69,10 @@ def test_a_built_wheel_runs_from_any_folder_with_the_configs_inside(tmp_path):
     )
     [wheel] = (tmp_path / "dist").glob("trainer-*.whl")
     environment = tmp_path / "venv"
-    venv.create(environment, system_site_packages=True, with_pip=False)
+    venv.create(environment, with_pip=False)
     python, script = environment / "bin" / "python", environment / "bin" / "trainer"
     run(sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps", str(wheel))
+    see_this_interpreters_packages(environment)  # after the install: pip sees and touches only the new venv
 
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
