@@ -100,7 +100,6 @@ def test_ddp_sweep_makes_one_folder_per_job(tmp_path):
         "amp=false,true",
         "devices=2",
         cwd=tmp_path,
-        env={"OMP_NUM_THREADS": "1"},
     )
     assert result.returncode == 0, result.stderr[-2000:]
     jobs = run_folders(tmp_path / "outputs")
@@ -179,9 +178,7 @@ THREE_EPOCHS = [
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("whole") / "run"
-    whole = run_cli(
-        *THREE_EPOCHS, f"hydra.run.dir={run_dir}", cwd=run_dir.parent, env={"OMP_NUM_THREADS": "1"}
-    )
+    whole = run_cli(*THREE_EPOCHS, f"hydra.run.dir={run_dir}", cwd=run_dir.parent)
     assert whole.returncode == 0, whole.stderr[-2000:]
     return run_dir
 
@@ -223,7 +220,6 @@ def test_ddp_resume_after_a_stop_matches_the_uninterrupted_run(tmp_path, uninter
         f"resume={stopped}",
         f"hydra.run.dir={tmp_path / 'resumed'}",
         cwd=tmp_path,
-        env={"OMP_NUM_THREADS": "1"},
     )
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert_same_weights(tmp_path / "resumed", uninterrupted)
@@ -275,7 +271,7 @@ def test_impossible_ddp_requests_are_config_errors(tmp_path, monkeypatch):
 def torchrun(*args: str, cwd: Path, nodes: int = 1) -> subprocess.CompletedProcess:
     """torchrun with 2 processes: on one node, or one on each of `nodes`=2 "nodes" on localhost
     (two torchrun agents meeting at a c10d rendezvous, as on two hosts)."""
-    environment = cli_environment({"OMP_NUM_THREADS": "1"})
+    environment = cli_environment()
     run = [sys.executable, "-m", "torch.distributed.run"]
     if nodes == 1:
         command = [*run, "--nproc_per_node=2", "-m", "trainer", *args]

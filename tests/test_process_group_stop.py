@@ -25,7 +25,7 @@ def test_sigterm_to_the_process_group_with_workers_stops_and_saves(tmp_path):
     process = subprocess.Popen(
         [sys.executable, "-m", "trainer", *SMALL, f"epochs={EPOCHS}", *WORKERS, f"hydra.run.dir={run_dir}"],
         cwd=tmp_path,
-        env=cli_environment({"OMP_NUM_THREADS": "1"}),
+        env=cli_environment(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

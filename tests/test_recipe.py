@@ -43,13 +43,11 @@ def load_checkpoint(run_dir: Path) -> dict:
 
 
 @pytest.fixture(autouse=True, scope="module")
-def restore_deterministic_mode_and_threads():
-    """One thread: on a shared 2-core machine, torch's spinning threads run 10-20x slower under load."""
-    before, threads = torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()
-    torch.set_num_threads(1)
+def restore_deterministic_mode():
+    """deterministic=true switches torch into deterministic mode for the whole process."""
+    before = torch.are_deterministic_algorithms_enabled()
     yield
     torch.use_deterministic_algorithms(before)
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(
 def plugin_path() -> dict:
     """PYTHONPATH for the CLI: this checkout and wherever this pytest found the plugin."""
     site = Path(PLUGIN.submodule_search_locations[0]).parents[1]
-    return {"PYTHONPATH": f"{REPO}:{site}", "OMP_NUM_THREADS": "1"}
+    return {"PYTHONPATH": f"{REPO}:{site}"}
 
 
 def test_a_two_job_sweep_through_submitit_local(tmp_path):
