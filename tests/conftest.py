@@ -62,8 +62,17 @@ def cli_environment(env: dict | None = None) -> dict:
     return environment
 
 
+# Seconds after which a subprocess counts as hung. Only a guard against a hang: no test here
+# needs a tenth of it on an idle machine, and none asserts on how long anything took.
+HANG_GUARD_S = 600
+
+
 def run_cli(
-    *args: str, cwd: Path, timeout: float = 240, env: dict | None = None, file_size_limit: int | None = None
+    *args: str,
+    cwd: Path,
+    timeout: float = HANG_GUARD_S,
+    env: dict | None = None,
+    file_size_limit: int | None = None,
 ) -> subprocess.CompletedProcess:
     """`python -m trainer ARGS` in a subprocess (output folders land under cwd/outputs); no file
     it writes may grow past file_size_limit bytes, when given (as with `ulimit -f`)."""

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import SMALL, cli_environment
+from conftest import HANG_GUARD_S, SMALL, cli_environment
 
 # `python -m trainer ARGS`, then report the exit code, what was printed and which heavy
 # modules had been imported by then.
@@ -33,7 +33,7 @@ def run_and_report(*args: str, cwd) -> dict:
         env=cli_environment(),
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=HANG_GUARD_S,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     return json.loads(result.stdout)

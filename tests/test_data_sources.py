@@ -4,8 +4,8 @@ learns from them), synthetic (learnable and reproducible)."""
 from __future__ import annotations
 
 import hashlib
+import logging
 import pickle
-import time
 from pathlib import Path
 
 import numpy as np
@@ -74,7 +74,7 @@ def test_cifar10_source_trains_on_the_batches_it_finds(tmp_path, cifar10_root):
 
 
 @needs_subset
-def test_the_cnn_learns_real_images_from_class_folders(tmp_path):
+def test_the_cnn_learns_real_images_from_class_folders(tmp_path, caplog):
     cfg = compose_config(
         "model=cnn",
         "data=imagefolder",
@@ -86,15 +86,16 @@ def test_the_cnn_learns_real_images_from_class_folders(tmp_path):
         "optim.lr=0.002",
         small=False,
     )
-    started = time.perf_counter()
+    caplog.set_level(logging.INFO, logger="trainer.data.sources")
 
     metrics = Trainer(cfg, tmp_path / "run").fit()
 
-    # Reached 0.41-0.45 (seeds 0-2) in ~12 s on 2 CPU cores; chance is 0.10.
+    # Reached 0.41-0.45 (seeds 0-2); chance is 0.10.
     assert metrics["status"] == "completed"
     assert metrics["test_acc"] >= 0.35
     assert metrics["history"][-1]["test_acc"] > metrics["history"][0]["test_acc"]
-    assert time.perf_counter() - started < 60
+    # what keeps the run short, counted rather than timed: each PNG decoded once for both epochs
+    assert caplog.text.count("decoded 5000 images of") == caplog.text.count("decoded 2000 images of") == 1
 
 
 def test_synthetic_images_are_learnable(tmp_path):

@@ -13,7 +13,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SMALL, cli_environment, compose_config, read_metrics, run_cli, run_folders
+from conftest import (
+    HANG_GUARD_S,
+    SMALL,
+    cli_environment,
+    compose_config,
+    read_metrics,
+    run_cli,
+    run_folders,
+)
 from PIL import Image
 
 from trainer import Trainer
@@ -137,11 +145,11 @@ def processes_tagged(tag: str) -> list[int]:
 
 
 def test_a_failing_rank_ends_the_whole_run(tmp_path):
-    """One rank hits an unreadable image; every process is gone within 60 s, the run exits
-    non-zero and metrics.json says failed."""
+    """One rank hits an unreadable image; the run ends by itself, exits non-zero, metrics.json
+    says failed and no process is left. Left to gloo, the other rank would wait 30 minutes
+    in its next collective: the launch ends it instead (HANG_GUARD_S is far below that)."""
     write_class_folders(tmp_path / "images", corrupt=True)
     tag = f"TRAINER_TEST_{uuid.uuid4().hex}"
-    started = time.monotonic()
     result = run_cli(
         "model=cnn",
         "data=imagefolder",
@@ -151,10 +159,9 @@ def test_a_failing_rank_ends_the_whole_run(tmp_path):
         *DDP,
         f"hydra.run.dir={tmp_path / 'run'}",
         cwd=tmp_path,
-        timeout=90,
-        env={tag: "1", "OMP_NUM_THREADS": "1"},
+        timeout=HANG_GUARD_S,
+        env={tag: "1"},
     )
-    assert time.monotonic() - started < 60
     assert result.returncode != 0
     metrics = read_metrics(tmp_path / "run")
     assert metrics["status"] == "failed"
@@ -183,16 +190,17 @@ def uninterrupted(tmp_path_factory) -> Path:
     return run_dir
 
 
-def start_and_wait_for_epoch_one(args: list[str], run_dir: Path, env: dict) -> subprocess.Popen:
+def start_and_wait_for_epoch_one(args: list[str], run_dir: Path) -> subprocess.Popen:
     launcher = subprocess.Popen(
         [sys.executable, "-m", "trainer", *args, f"hydra.run.dir={run_dir}"],
         cwd=run_dir.parent,
-        env=cli_environment(env),
+        env=cli_environment(),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
     )
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:  # until the first epoch is recorded (and checkpointed)
+    deadline = time.monotonic() + HANG_GUARD_S
+    # until the first epoch is recorded (and checkpointed), or the launcher has ended
+    while launcher.poll() is None and time.monotonic() < deadline:
         metrics = run_dir / "metrics.json"
         if metrics.exists() and json.loads(metrics.read_text()).get("epochs", 0) >= 1:
             break
@@ -209,9 +217,9 @@ def assert_same_weights(run_dir: Path, reference: Path) -> None:
 
 def test_ddp_resume_after_a_stop_matches_the_uninterrupted_run(tmp_path, uninterrupted):
     stopped = tmp_path / "stopped"
-    launcher = start_and_wait_for_epoch_one(THREE_EPOCHS, stopped, {"OMP_NUM_THREADS": "1"})
+    launcher = start_and_wait_for_epoch_one(THREE_EPOCHS, stopped)
     launcher.send_signal(signal.SIGTERM)
-    output = launcher.communicate(timeout=120)[0].decode()
+    output = launcher.communicate(timeout=HANG_GUARD_S)[0].decode()
     assert launcher.returncode == 130, output[-2000:]
     assert read_metrics(stopped)["status"] == "interrupted"
 
@@ -245,11 +253,11 @@ def test_a_killed_rank_restarts_the_group_from_the_last_checkpoint(tmp_path, uni
     ranks again, they resume from checkpoints/last.pt (epoch 1) and end where an uninterrupted
     run ends."""
     run_dir = tmp_path / "restarted"
-    launcher = start_and_wait_for_epoch_one([*THREE_EPOCHS, "ddp_max_restarts=1"], run_dir, {})
+    launcher = start_and_wait_for_epoch_one([*THREE_EPOCHS, "ddp_max_restarts=1"], run_dir)
     victims = launched_ranks(launcher.pid)
     assert len(victims) == 2
     os.kill(victims[-1], signal.SIGKILL)
-    output = launcher.communicate(timeout=180)[0].decode()
+    output = launcher.communicate(timeout=HANG_GUARD_S)[0].decode()
     assert launcher.returncode == 0, output[-3000:]
     assert "restart 1: resuming from" in (run_dir / "rank1.log").read_text()
     assert read_metrics(run_dir)["resumed_from"] == str(run_dir / "checkpoints" / "last.pt")
@@ -275,7 +283,9 @@ def torchrun(*args: str, cwd: Path, nodes: int = 1) -> subprocess.CompletedProce
     run = [sys.executable, "-m", "torch.distributed.run"]
     if nodes == 1:
         command = [*run, "--nproc_per_node=2", "-m", "trainer", *args]
-        return subprocess.run(command, cwd=cwd, env=environment, capture_output=True, text=True, timeout=180)
+        return subprocess.run(
+            command, cwd=cwd, env=environment, capture_output=True, text=True, timeout=HANG_GUARD_S
+        )
     endpoint = f"127.0.0.1:{free_port()}"
     rendezvous = ["--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint={endpoint}"]
     agents = [
@@ -289,7 +299,7 @@ def torchrun(*args: str, cwd: Path, nodes: int = 1) -> subprocess.CompletedProce
         )
         for _ in range(nodes)
     ]
-    outputs = [agent.communicate(timeout=180) for agent in agents]
+    outputs = [agent.communicate(timeout=HANG_GUARD_S) for agent in agents]
     failed = next((i for i, agent in enumerate(agents) if agent.returncode), None)
     index = 0 if failed is None else failed
     return subprocess.CompletedProcess(agents[index].args, agents[index].returncode, *outputs[index])

@@ -13,7 +13,7 @@ import sys
 import venv
 from pathlib import Path
 
-from conftest import REPO
+from conftest import HANG_GUARD_S, REPO
 
 SMOKE = [
     "model=cnn",
@@ -26,7 +26,7 @@ SMOKE = [
 
 
 def run(*command, cwd=None, env=None) -> subprocess.CompletedProcess:
-    result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
+    result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert result.returncode == 0, result.stdout + result.stderr
     return result
 

@@ -11,7 +11,7 @@ import sys
 import time
 
 import torch
-from conftest import SMALL, cli_environment
+from conftest import HANG_GUARD_S, SMALL, cli_environment
 
 STEPS_PER_EPOCH = 8  # conftest.SMALL: 256 images / batch 32
 EPOCHS = 200  # far more than the test waits for
@@ -32,14 +32,14 @@ def test_sigterm_to_the_process_group_with_workers_stops_and_saves(tmp_path):
         start_new_session=True,  # its own process group, as a job scheduler starts it
     )
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + HANG_GUARD_S
         while time.monotonic() < deadline and process.poll() is None:
             metrics_file = run_dir / "metrics.json"
             if metrics_file.exists() and json.loads(metrics_file.read_text())["epochs"] >= 1:
                 break
             time.sleep(0.1)
         os.killpg(process.pid, signal.SIGTERM)  # kill -TERM -- -<pgid>
-        stdout, stderr = process.communicate(timeout=120)
+        stdout, stderr = process.communicate(timeout=HANG_GUARD_S)
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)

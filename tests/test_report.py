@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, SMALL, read_metrics, run_cli, run_folders
+from conftest import HANG_GUARD_S, REPO, SMALL, read_metrics, run_cli, run_folders
 from matplotlib.image import imread
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
@@ -82,7 +82,7 @@ def hparam_text(value) -> str:
 
 def test_cli_writes_the_report_into_the_sweep_folder(toggle_sweep):
     result = subprocess.run(
-        [sys.executable, str(SCRIPT), str(toggle_sweep)], capture_output=True, text=True, timeout=60
+        [sys.executable, str(SCRIPT), str(toggle_sweep)], capture_output=True, text=True, timeout=HANG_GUARD_S
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == (toggle_sweep / "report.md").read_text().strip()

@@ -312,22 +312,34 @@ def test_data_wait_is_measured_and_a_slow_pipeline_gets_a_hint(tmp_path, caplog)
     import time
 
     caplog.set_level(logging.INFO)
-    # Slow by a fixed 0.4 s a batch: more than a loaded 2-core CI machine takes to compute one.
-    trainer = built(tmp_path, "log_every=100", "max_steps=4")
-    slow_batches = trainer.train_batches
+    trainer = built(tmp_path, "log_every=100", "max_steps=8")
+    batches, slept = trainer.train_batches, []
 
     class Slow:
+        """Hands over each batch only after four times as long as the step before it took: the
+        loop waits for data ~4/5 of the epoch however fast or loaded the machine is (a fixed
+        sleep would be outrun by a slow, busy machine's steps)."""
+
         def __len__(self):
-            return len(slow_batches)
+            return len(batches)
 
         def __iter__(self):
-            for batch in slow_batches:
-                time.sleep(0.4)
+            handed_over = None
+            for batch in batches:
+                if handed_over is not None:
+                    step = time.perf_counter() - handed_over
+                    started = time.perf_counter()
+                    time.sleep(4 * step)
+                    slept.append(time.perf_counter() - started)
+                handed_over = time.perf_counter()
                 yield batch
 
     trainer.train_batches = Slow()
     metrics = trainer.fit()
+    [epoch] = metrics["history"]
+    assert len(slept) == 7  # before every batch but the first
+    assert epoch["data_wait_frac"] * epoch["epoch_s"] >= sum(slept) * (1 - 1e-9)  # every wait is counted
     assert metrics["data_wait_frac"] > 0.5
     assert "waited for data: try more num_workers" in caplog.text
-    off = Trainer(compose_config("measure_data_wait=false"), tmp_path / "off").fit()
+    off = Trainer(compose_config("measure_data_wait=false", "max_steps=2"), tmp_path / "off").fit()
     assert off["data_wait_frac"] is None
