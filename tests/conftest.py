@@ -119,6 +119,37 @@ def finished_run(tmp_path_factory) -> Path:
     return run_dir
 
 
+# SMALL for sweeps: 2 steps an epoch and 32 test images. Sweeps have amp=true jobs, and bf16
+# autocast on a CPU without AVX-512 costs ~1 s a step (fp32: ~0.1 s).
+SWEEP_SMALL = [
+    *[override for override in SMALL if not override.startswith(("data.train_size=", "data.test_size="))],
+    "data.train_size=64",
+    "data.test_size=32",
+]
+
+
+def sweep(tmp_path_factory, name: str, *values: str) -> Path:
+    """`python -m trainer -m SWEEP_SMALL VALUES` in a fresh folder; returns the sweep folder
+    (<cwd>/outputs/multirun/<date>/<time>)."""
+    cwd = tmp_path_factory.mktemp(name)
+    result = run_cli("-m", *SWEEP_SMALL, *values, cwd=cwd)
+    sweeps = list((cwd / "outputs" / "multirun").glob("*/*"))
+    assert len(sweeps) == 1, result.stderr[-3000:]
+    return sweeps[0]
+
+
+TOGGLES = ["amp=false,true", "channels_last=false,true"]
+
+
+@pytest.fixture(scope="session")
+def toggle_sweep(tmp_path_factory) -> Path:
+    """A 2 x 2 sweep of two toggles: test_cli_run checks its job folders, test_report reports on
+    it (one launch for both)."""
+    folder = sweep(tmp_path_factory, "toggles", *TOGGLES)
+    assert [read_metrics(job)["status"] for job in run_folders(folder)] == ["completed"] * 4
+    return folder
+
+
 needs_subset = pytest.mark.skipif(
     not SUBSET.is_dir(), reason=f"the real-image subset is absent ({SUBSET}); it ships with shared/ in CI"
 )

@@ -6,7 +6,7 @@ import math
 import re
 
 import torch
-from conftest import SMALL, read_metrics, run_cli, run_folders
+from conftest import SMALL, SWEEP_SMALL, read_metrics, run_cli, run_folders
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 TAGS = ("train/loss", "train/acc", "test/loss", "test/acc", "lr", "perf/img_per_s", "perf/epoch_s")
@@ -59,17 +59,15 @@ def test_a_run_leaves_one_folder_with_checkpoint_metrics_and_tensorboard(tmp_pat
     assert len(logged["perf/epoch_s"]) == 2
 
 
-def test_a_sweep_leaves_one_completed_folder_per_job(tmp_path):
-    result = run_cli("-m", *SMALL, "seed=0,1", cwd=tmp_path)
-
-    assert result.returncode == 0, result.stdout + result.stderr
-    runs = run_folders(tmp_path / "outputs")
-    assert len(runs) == 2
-    assert runs[0] != runs[1]
-    for job, run in enumerate(runs):
-        assert re.fullmatch(f"multirun/{TIMESTAMP}/{job}", run.relative_to(tmp_path / "outputs").as_posix())
+def test_a_sweep_leaves_one_completed_folder_per_job(toggle_sweep):
+    outputs = toggle_sweep.parents[2]  # <cwd>/outputs/multirun/<date>/<time>
+    runs = run_folders(toggle_sweep)
+    settings = [(amp, layout) for amp in (False, True) for layout in (False, True)]  # Hydra's job order
+    assert len(set(runs)) == len(settings)
+    for job, (run, (amp, layout)) in enumerate(zip(runs, settings)):
+        assert re.fullmatch(f"multirun/{TIMESTAMP}/{job}", run.relative_to(outputs).as_posix())
         metrics = read_metrics(run)
         assert metrics["status"] == "completed"
-        assert metrics["overrides"] == [*SMALL, f"seed={job}"]
-        assert metrics["steps"] == 8
+        assert metrics["overrides"] == [*SWEEP_SMALL, f"amp={amp}", f"channels_last={layout}"]
+        assert metrics["steps"] == 2  # 64 images / batch 32
         assert (run / "checkpoints" / "last.pt").is_file()

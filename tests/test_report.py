@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import HANG_GUARD_S, REPO, SMALL, read_metrics, run_cli, run_folders
+from conftest import HANG_GUARD_S, REPO, read_metrics, run_folders, sweep
 from matplotlib.image import imread
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
@@ -23,22 +23,6 @@ SCRIPT = REPO / "scripts" / "report.py"
 _spec = importlib.util.spec_from_file_location("report", SCRIPT)
 report = sys.modules["report"] = importlib.util.module_from_spec(_spec)  # dataclasses look it up there
 _spec.loader.exec_module(report)
-
-
-def sweep(tmp_path_factory, name: str, *values: str) -> Path:
-    """`python -m trainer -m SMALL VALUES` in a fresh folder; returns the sweep folder."""
-    cwd = tmp_path_factory.mktemp(name)
-    result = run_cli("-m", *SMALL, *values, cwd=cwd)
-    sweeps = list((cwd / "outputs" / "multirun").glob("*/*"))
-    assert len(sweeps) == 1, result.stderr[-3000:]
-    return sweeps[0]
-
-
-@pytest.fixture(scope="module")
-def toggle_sweep(tmp_path_factory) -> Path:
-    folder = sweep(tmp_path_factory, "toggles", "amp=false,true", "channels_last=false,true")
-    assert [read_metrics(job)["status"] for job in run_folders(folder)] == ["completed"] * 4
-    return folder
 
 
 @pytest.fixture(scope="module")
