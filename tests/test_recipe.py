@@ -75,9 +75,10 @@ def test_recipe_presets_set_how_to_train_and_leave_speed_to_perf(recipe):
     speed = ("amp", "compile", "channels_last", "fused_optimizer", "set_to_none", "data")
     assert all(getattr(cfg, key) == getattr(plain, key) for key in speed[:-1])
     assert cfg.data.loader == plain.data.loader
-    # The batch the recipe was measured at wins over perf=fast's, and over the default recipe's.
-    batch = to_train_config(compose_config(f"recipe={recipe}", small=False)).batch_size
-    assert cfg.batch_size == batch != plain.batch_size
+    # The batch the recipe was measured at wins over perf=fast's.
+    assert cfg.batch_size == to_train_config(compose_config(f"recipe={recipe}", small=False)).batch_size
+    fastcnn_94 = to_train_config(compose_config("perf=fast", "recipe=fastcnn_94", small=False))
+    assert fastcnn_94.batch_size == 1024 != plain.batch_size
 
 
 def test_tta_averages_the_logits_of_the_views():
@@ -271,3 +272,19 @@ def test_the_weight_average_of_a_short_real_run_is_as_good_as_the_trained_weight
     trained = evaluate(trainer.raw_model, trainer.test_batches, tta_views(TtaMode.none), trainer.device)
     assert trained["test_acc"] > 0.3  # chance is 0.1
     assert metrics["test_acc"] == pytest.approx(trained["test_acc"], abs=0.04)
+
+
+def test_the_warm_up_puts_back_every_state_it_changed(tmp_path):
+    """The compile warm-up trains 3 steps and evaluates once before the clock; the run then
+    ends with the weights of a run without it, and its seconds are compile_s."""
+    overrides = ("deterministic=true", "max_steps=4", "optim=adamw", "amp=true")
+    plain = Trainer(compose_config(*overrides), tmp_path / "plain")
+    plain.fit()
+    warmed = Trainer(compose_config(*overrides), tmp_path / "warmed").build()
+    assert warmed.warm_up_steps == 0  # nothing to compile or autotune on a CPU without compile
+    warmed.warm_up_steps = 3
+    metrics = warmed.fit()
+    for name, value in plain.raw_model.state_dict().items():
+        torch.testing.assert_close(warmed.raw_model.state_dict()[name], value, rtol=0, atol=0)
+    assert metrics["compile_s"] > 0 and read_metrics(tmp_path / "plain")["compile_s"] == 0
+    assert metrics["steps"] == 4 and metrics["wall_s"] > metrics["train_time_s"]

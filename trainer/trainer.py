@@ -442,8 +442,8 @@ class Trainer:
         }
 
     def _warm_up(self) -> float:
-        """Compile and autotune on the first training batches before the clock starts, then put
-        back every state those steps changed; returns their seconds (compile_s)."""
+        """Compile and autotune on the first training batches and one evaluation before the clock
+        starts, then put back every state those steps changed; returns their seconds (compile_s)."""
         if not self.warm_up_steps:
             return 0.0
         started = time.perf_counter()
@@ -460,6 +460,7 @@ class Trainer:
             self.zero_grad()
         for name, part in parts.items():
             part.load_state_dict(saved[name])
+        self.evaluate()  # cuDNN's autotuning of the evaluation's shapes, outside time to target
         self.synchronize()
         seconds = time.perf_counter() - started
         log.info(
