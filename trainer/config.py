@@ -288,7 +288,9 @@ class TrainConfig:
     ddp_backend: DdpBackend = DdpBackend.auto
     ddp_max_restarts: int = 0  # restart the ranks from the run's last checkpoint after one dies, N times
     ddp_comm_hook: DdpCommHook = DdpCommHook.none  # gradient compression for DDP's all-reduce
-    ddp_bucket_cap_mb: float = 25.0  # DDP gradient bucket size: one all-reduce per bucket
+    # DDP gradient bucket size in MB, one all-reduce per bucket; auto: the whole gradient in one
+    # bucket up to 128 MB, torch's 25 MB above (trainer/perf.py says why)
+    ddp_bucket_cap_mb: Any = "auto"
     ddp_gradient_as_bucket_view: bool = False  # .grad are views into DDP's buckets: no copy, less memory
     ddp_static_graph: bool = False  # the same graph every step: DDP plans its buckets once
     # nn.DataParallel over `devices` GPUs in one process (null: all); batch_size is split between them
@@ -322,9 +324,12 @@ class TrainConfig:
             raise ConfigError(f"devices must be null or at least 1, got {self.devices}")
         if self.ddp_max_restarts < 0:
             raise ConfigError(f"ddp_max_restarts must be 0 or more, got {self.ddp_max_restarts}")
-        if not (math.isfinite(self.ddp_bucket_cap_mb) and self.ddp_bucket_cap_mb > 0):
+        bucket = self.ddp_bucket_cap_mb
+        number = isinstance(bucket, (int, float)) and not isinstance(bucket, bool)
+        if bucket != "auto" and not (number and math.isfinite(bucket) and bucket > 0):
             raise ConfigError(
-                f"ddp_bucket_cap_mb must be above 0, got {self.ddp_bucket_cap_mb}: set ddp_bucket_cap_mb=25"
+                f"ddp_bucket_cap_mb must be auto or a size in MB above 0, got {bucket!r}: "
+                "set ddp_bucket_cap_mb=auto or ddp_bucket_cap_mb=25"
             )
         if self.ddp and self.data_parallel:
             raise ConfigError(

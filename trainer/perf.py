@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -222,14 +223,35 @@ def comm_hook(cfg: TrainConfig) -> tuple[object, Callable] | None:
     return None
 
 
+TORCH_BUCKET_MB = 25.0  # DistributedDataParallel's own default
+ONE_BUCKET_UP_TO_MB = 128
+
+
+def bucket_cap_mb(cfg: TrainConfig, module: nn.Module) -> float:
+    """ddp_bucket_cap_mb, with auto resolved for this model's gradient.
+
+    auto puts a gradient of up to ONE_BUCKET_UP_TO_MB in one bucket: one all-reduce after
+    backward instead of several beside it. On 2 H200s (NVLink, ResNet-18's 44.7 MB gradient,
+    512 images per GPU, perf=fast) one bucket gave 91.9% per-GPU efficiency (91.4-92.4%, 3 runs)
+    against 82.5% (75.5-87.7%) for torch's 25 MB buckets: the all-reduce itself takes 0.19 ms,
+    the cost was the per-bucket work beside backward. Larger gradients keep torch's buckets, so
+    that communication still overlaps a backward long enough to hide it."""
+    if cfg.ddp_bucket_cap_mb != "auto":
+        return float(cfg.ddp_bucket_cap_mb)
+    gradient_mb = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad) / 2**20
+    return float(math.ceil(gradient_mb) + 1) if gradient_mb <= ONE_BUCKET_UP_TO_MB else TORCH_BUCKET_MB
+
+
 def distributed_data_parallel(
     cfg: TrainConfig, module: nn.Module, device: torch.device
 ) -> nn.parallel.DistributedDataParallel:
     """DDP with the ddp_* communication toggles, inside the process group the run is in."""
+    bucket_mb = bucket_cap_mb(cfg, module)
+    log.info("ddp: gradient buckets of %g MB (ddp_bucket_cap_mb=%s)", bucket_mb, cfg.ddp_bucket_cap_mb)
     model = nn.parallel.DistributedDataParallel(
         module,
         device_ids=[device.index] if device.type == "cuda" else None,
-        bucket_cap_mb=cfg.ddp_bucket_cap_mb,
+        bucket_cap_mb=bucket_mb,
         gradient_as_bucket_view=cfg.ddp_gradient_as_bucket_view,
         static_graph=cfg.ddp_static_graph,
     )
