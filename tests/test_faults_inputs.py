@@ -6,6 +6,7 @@ Each is answered in one line naming what is wrong: never used silently, never a 
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -14,10 +15,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import compose_config
+from conftest import SMALL, compose_config
 from PIL import Image
 
-from trainer.config import to_train_config
+from trainer import Trainer
+from trainer.cli_checks import check_command_line
+from trainer.config import ConfigError, to_train_config
 from trainer.data import load_source
 from trainer.data.sources import CACHE_FOLDER, read_cache, write_cache
 
@@ -146,3 +149,114 @@ def test_two_runs_keeping_the_same_cache_at_once_leave_only_whole_files(tmp_path
     assert all(read is None or torch.equal(read, images) for read in reads)
     assert torch.equal(read_cache(path, tuple(images.shape)), images)
     assert [file.name for file in path.parent.iterdir()] == [path.name]
+
+
+# ---------------------------------------------------------------- the user's model code (R4)
+
+FAULTY_NETS = """\
+import torch
+from torch import nn
+
+MEAN = torch.tensor([0.5, 0.5, 0.5]).view(1, 3, 1, 1)  # made as the module is imported
+
+
+def raises(num_classes):
+    raise RuntimeError("this model needs a GPU")
+
+
+def no_arguments():
+    return nn.Linear(3 * 32 * 32, 10)
+
+
+def seven_classes(num_classes):
+    return nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, 7))
+
+
+def wrong_input(num_classes):
+    return nn.Sequential(nn.Flatten(), nn.Linear(100, num_classes))
+
+
+class Head(nn.Module):
+    def __init__(self, num_classes):
+        super().__init__()
+        self.linear = nn.Linear(3 * 32 * 32, num_classes)
+
+
+class Pair(Head):
+    def forward(self, x):
+        return self.linear(x.flatten(1)), x
+
+
+class Broken(Head):
+    def forward(self, x):
+        return self.linear(x.flatten(1)) + self.bias
+
+
+class Centered(Head):
+    def forward(self, x):
+        return self.linear((x - MEAN).flatten(1))
+
+
+class Itemized(Head):
+    def forward(self, x):
+        return self.linear(x.flatten(1)) * (1 + 0 * x.abs().max().item())
+"""
+
+
+@pytest.fixture
+def faulty_nets(tmp_path, monkeypatch):
+    """The user's module, importable as `faulty_nets` and imported afresh by each test."""
+    (tmp_path / "faulty_nets.py").write_text(FAULTY_NETS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "faulty_nets", raising=False)
+    yield tmp_path
+    sys.modules.pop("faulty_nets", None)
+
+
+FIX = "fix the model's code, or train a built-in model with model.target=null"
+TARGET_FAULTS = {
+    "raises": f"model.target=faulty_nets:raises: raises(10) raised RuntimeError: this model needs a GPU at "
+    f"faulty_nets.py:8: {FIX}",
+    "no_arguments": "model.target=faulty_nets:no_arguments: no_arguments() cannot be called with the number "
+    "of classes alone: define it as no_arguments(num_classes) returning a torch.nn.Module",
+    "seven_classes": "model.target=faulty_nets:seven_classes: a (2, 3, 32, 32) batch of images gave shape "
+    "(2, 7), not logits of shape (2, 10) (images, classes): make seven_classes(num_classes) return a model "
+    "whose forward gives one logit per class",
+    "wrong_input": "model.target=faulty_nets:wrong_input: its forward pass of a (2, 3, 32, 32) batch raised "
+    f"RuntimeError: mat1 and mat2 shapes cannot be multiplied (2x3072 and 100x10): {FIX}",
+    "Pair": "model.target=faulty_nets:Pair: a (2, 3, 32, 32) batch of images gave a tuple, not logits of "
+    "shape (2, 10) (images, classes): make Pair(num_classes) return a model whose forward gives one logit "
+    "per class",
+    "Broken": "model.target=faulty_nets:Broken: its forward pass of a (2, 3, 32, 32) batch raised "
+    f"AttributeError: 'Broken' object has no attribute 'bias' at faulty_nets.py:36: {FIX}",
+}
+
+
+@pytest.mark.parametrize(("target", "message"), TARGET_FAULTS.items(), ids=TARGET_FAULTS.keys())
+def test_a_failing_model_target_is_one_line_naming_it(faulty_nets, target, message):
+    with pytest.raises(ConfigError) as caught:
+        check_command_line([*SMALL, f"model.target=faulty_nets:{target}"])
+
+    assert str(caught.value) == message
+
+
+@pytest.mark.parametrize("target", ["Centered", "Itemized"])
+def test_model_code_the_meta_device_cannot_run_passes_the_check_and_trains(faulty_nets, tmp_path, target):
+    """Centered uses a tensor its module made on import; Itemized reads a value (.item())."""
+    check_command_line([*SMALL, f"model.target=faulty_nets:{target}"])
+
+    metrics = Trainer(
+        compose_config(f"model.target=faulty_nets:{target}", "max_steps=1"), tmp_path / "run"
+    ).fit()
+
+    assert metrics["status"] == "completed" and metrics["flops_per_image"] is None
+
+
+def test_a_model_that_does_not_fit_stops_the_trainer_before_any_file(faulty_nets, tmp_path):
+    """From Python there is no command-line check: the Trainer's own build says it, before any
+    checkpoint, log or TensorBoard file (metrics.json records the failure)."""
+    with pytest.raises(ConfigError) as caught:
+        Trainer(compose_config("model.target=faulty_nets:seven_classes"), tmp_path / "run").fit()
+
+    assert str(caught.value).startswith("model.target=faulty_nets:seven_classes: a (2, 3, 32, 32) batch")
+    assert sorted(path.name for path in (tmp_path / "run").iterdir()) == ["metrics.json"]
