@@ -23,6 +23,7 @@ from trainer.cli_checks import check_command_line
 from trainer.config import ConfigError, to_train_config
 from trainer.data import load_source
 from trainer.data.sources import CACHE_FOLDER, read_cache, write_cache
+from trainer.perf import unused_ddp_toggles
 
 # ---------------------------------------------------------------- the decode cache (R5)
 
@@ -260,3 +261,51 @@ def test_a_model_that_does_not_fit_stops_the_trainer_before_any_file(faulty_nets
 
     assert str(caught.value).startswith("model.target=faulty_nets:seven_classes: a (2, 3, 32, 32) batch")
     assert sorted(path.name for path in (tmp_path / "run").iterdir()) == ["metrics.json"]
+
+
+# ---------------------------------------------------------------- settings that cannot act
+
+
+def config(*overrides: str):
+    return to_train_config(compose_config(*overrides))
+
+
+DDP_TOGGLE_FAULTS = {
+    "comm-hook-without-ddp": (
+        ("ddp_comm_hook=bf16",),
+        [
+            "ddp_comm_hook=bf16 has no effect here (ddp=false: no DistributedDataParallel); "
+            "carrying on without it"
+        ],
+    ),
+    "several-without-ddp": (
+        ("ddp_backend=gloo", "ddp_bucket_cap_mb=100", "ddp_static_graph=true"),
+        [
+            "ddp_backend=gloo / ddp_bucket_cap_mb=100 / ddp_static_graph=true has no effect here "
+            "(ddp=false: no DistributedDataParallel); carrying on without it"
+        ],
+    ),
+    "one-ddp-process": (
+        ("ddp=true", "devices=1", "ddp_max_restarts=1", "ddp_gradient_as_bucket_view=true"),
+        [
+            "ddp_gradient_as_bucket_view=true has no effect here (one process: nothing to all-reduce); "
+            "carrying on without it"
+        ],
+    ),
+    "defaults": ((), []),
+}
+
+
+@pytest.mark.parametrize(("overrides", "lines"), DDP_TOGGLE_FAULTS.values(), ids=DDP_TOGGLE_FAULTS.keys())
+def test_ddp_toggles_without_distributed_data_parallel_say_so_once(caplog, overrides, lines):
+    caplog.set_level(logging.INFO, logger="trainer.perf")
+    unused_ddp_toggles(config(*overrides))
+
+    assert [record.getMessage() for record in caplog.records] == lines
+
+
+def test_a_trainer_says_it_once(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="trainer.perf")
+    Trainer(compose_config("ddp_comm_hook=powersgd", "max_steps=1"), tmp_path / "run").fit()
+
+    assert caplog.text.count("ddp_comm_hook=powersgd has no effect here") == 1
