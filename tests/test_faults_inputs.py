@@ -6,6 +6,7 @@ Each is answered in one line naming what is wrong: never used silently, never a 
 from __future__ import annotations
 
 import logging
+import subprocess
 import sys
 import threading
 from collections.abc import Callable
@@ -15,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import SMALL, compose_config
+from conftest import SMALL, cli_environment, compose_config
 from PIL import Image
 
 from trainer import Trainer
@@ -309,3 +310,29 @@ def test_a_trainer_says_it_once(tmp_path, caplog):
     Trainer(compose_config("ddp_comm_hook=powersgd", "max_steps=1"), tmp_path / "run").fit()
 
     assert caplog.text.count("ddp_comm_hook=powersgd has no effect here") == 1
+
+
+PROFILE_STEPS = """
+import torch
+from trainer.perf import Profiler
+profiler = Profiler(True, {trace_dir!r}, warmup_steps=1, active_steps=1)
+for _ in range(3):
+    torch.ones(8, 8) @ torch.ones(8, 8)
+    profiler.step()
+profiler.stop()
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="kineto's GPU query fails only where there is no GPU")
+def test_the_profiler_on_a_cpu_prints_no_gpu_errors(tmp_path):
+    environment = cli_environment()
+    environment.pop("KINETO_LOG_LEVEL", None)
+    code = PROFILE_STEPS.format(trace_dir=str(tmp_path / "profile"))
+
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=environment, capture_output=True, text=True, timeout=120
+    )
+
+    assert result.returncode == 0, result.stderr
+    assert "ERROR" not in result.stderr and "gpuGetDeviceCount" not in result.stderr
+    assert list((tmp_path / "profile").glob("*.pt.trace.json"))

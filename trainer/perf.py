@@ -330,6 +330,12 @@ class Profiler:
         self.profiler = None
         if not self.enabled:
             return
+        if not torch.cuda.is_available():
+            # Writing the trace, kineto asks the CUDA driver for device properties even when only
+            # CPU activity was recorded, and without a GPU prints "ERROR: ... gpuGetDeviceCount
+            # failed" on stderr. Level 5 keeps its errors about GPUs out of a CPU run; it is read
+            # when the profiler first starts in the process, and a value the user set stays.
+            os.environ.setdefault("KINETO_LOG_LEVEL", "5")
         activities = [torch.profiler.ProfilerActivity.CPU]
         if torch.cuda.is_available():
             activities.append(torch.profiler.ProfilerActivity.CUDA)
