@@ -18,12 +18,14 @@ import pytest
 import torch
 from conftest import SMALL, cli_environment, compose_config
 from PIL import Image
+from torch import nn
 
 from trainer import Trainer
 from trainer.cli_checks import check_command_line
 from trainer.config import ConfigError, to_train_config
 from trainer.data import load_source
 from trainer.data.sources import CACHE_FOLDER, read_cache, write_cache
+from trainer.optim import build_optimizer, peak_lr
 from trainer.perf import unused_ddp_toggles
 
 # ---------------------------------------------------------------- the decode cache (R5)
@@ -310,6 +312,46 @@ def test_a_trainer_says_it_once(tmp_path, caplog):
     Trainer(compose_config("ddp_comm_hook=powersgd", "max_steps=1"), tmp_path / "run").fit()
 
     assert caplog.text.count("ddp_comm_hook=powersgd has no effect here") == 1
+
+
+LR_FAULTS = {
+    "base-batch-1e12": (
+        ("optim.lr_base_batch=1000000000000",),
+        [
+            "optim.lr_base_batch=1000000000000 scales optim.lr=0.05 down to a peak lr of 1.6e-12 at this "
+            "run's global batch (linear scaling): the weights will hardly change; give optim.lr for a batch "
+            "near the run's, e.g. optim.lr_base_batch=128"
+        ],
+    ),
+    "adamw-base-batch-1e15": (
+        ("optim=adamw", "optim.lr_base_batch=1000000000000000"),
+        [
+            "optim.lr_base_batch=1000000000000000 scales optim.lr=0.001 down to a peak lr of 1.79e-10 "
+            "at this run's global batch (sqrt scaling): the weights will hardly change; give optim.lr for "
+            "a batch near the run's, e.g. optim.lr_base_batch=128"
+        ],
+    ),
+    "lr-1e-9": (
+        ("optim.lr=1e-9",),
+        [
+            "peak lr 2.5e-10 (optim.lr=1e-09, optim.lr_base_batch=128): the weights will hardly change; "
+            "set e.g. optim.lr=0.05"
+        ],
+    ),
+    "lr-0": (
+        ("optim.lr=0",),
+        ["optim.lr=0: the weights will not change; set e.g. optim.lr=0.05 to train"],
+    ),
+    "batch-1": (("batch_size=1",), []),  # 1/128 of the base batch: small, meant
+}
+
+
+@pytest.mark.parametrize(("overrides", "lines"), LR_FAULTS.values(), ids=LR_FAULTS.keys())
+def test_a_vanishing_peak_lr_is_a_warning_naming_its_cause(caplog, overrides, lines):
+    cfg = config(*overrides)
+    build_optimizer(cfg.optim, nn.Linear(2, 2), {}, peak_lr(cfg.optim, cfg.batch_size))
+
+    assert [record.getMessage() for record in caplog.records if record.levelno >= logging.WARNING] == lines
 
 
 PROFILE_STEPS = """
