@@ -8,7 +8,11 @@ A model with an `initialize_from_data(images)` method is handed the normalized t
 from __future__ import annotations
 
 import importlib
+import inspect
 import logging
+import os
+import sys
+import traceback
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -20,6 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from trainer.config import ConfigError, ModelConfig, ModelName
 from trainer.data import Normalizer
+from trainer.data.augment import IMAGE_SIZE
 
 log = logging.getLogger(__name__)
 
@@ -212,21 +217,91 @@ def import_target(target: str) -> Callable[[int], nn.Module]:
     return builder
 
 
-def build_target(target: str, num_classes: int) -> nn.Module:
-    model = import_target(target)(num_classes)
+def build_target(target: str, num_classes: int, builder: Callable | None = None) -> nn.Module:
+    """model.target called with the number of classes; anything its code raises comes back as
+    one ConfigError naming model.target, the user's message and where it was raised."""
+    builder = builder or import_target(target)
+    name = target.partition(":")[2]
+    try:
+        inspect.signature(builder).bind(num_classes)
+    except TypeError:
+        raise ConfigError(
+            f"model.target={target}: {name}{inspect.signature(builder)} cannot be called with the number "
+            f"of classes alone: define it as {name}(num_classes) returning a torch.nn.Module"
+        ) from None
+    except ValueError:
+        pass  # no signature to read (a builtin): the call itself says
+    try:
+        model = builder(num_classes)
+    except Exception as error:
+        raise user_code_error(target, f"{name}({num_classes})", error) from None
     if not isinstance(model, nn.Module):
         raise ConfigError(
             f"model.target={target} returned a {type(model).__name__}, not a torch.nn.Module: "
-            f"make {target.partition(':')[2]}(num_classes) return one"
+            f"make {name}(num_classes) return one"
         )
     return model
 
 
-def check_target(target: str) -> None:
-    """Import and call model.target before the run starts, on the meta device (no memory, no
-    compute); 10 classes stand in for the dataset's count, which only sizes the last layer."""
-    with torch.device("meta"):
-        build_target(target, num_classes=10)
+def user_code_error(target: str, call: str, error: Exception) -> ConfigError:
+    """An exception from the user's model code as one line: the call, the exception, and the
+    last line of the user's own files that it passed through."""
+    first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    message = f"{type(error).__name__}: {first_line}" if first_line else type(error).__name__
+    files = user_files(target)
+    frames = [
+        frame for frame in traceback.extract_tb(error.__traceback__) if frame.filename.startswith(files)
+    ]
+    where = f" at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno}" if files and frames else ""
+    return ConfigError(
+        f"model.target={target}: {call} raised {message}{where}: fix the model's code, "
+        "or train a built-in model with model.target=null"
+    )
+
+
+def user_files(target: str) -> str:
+    """The file of model.target's top-level module, or its folder (with a separator) for a package."""
+    top = sys.modules.get(target.partition(":")[0].split(".")[0])
+    file = getattr(top, "__file__", None) or ""
+    return os.path.dirname(file) + os.sep if os.path.basename(file) == "__init__.py" else file
+
+
+DRY_RUN_IMAGES = 2  # BatchNorm in training mode needs two values per channel
+
+
+def dry_run(target: str, builder: Callable, num_classes: int) -> None:
+    """Build model.target and forward a batch of images through it in training mode, as the
+    training step will: it must take (N, 3, 32, 32) and give (N, num_classes) logits."""
+    model = build_target(target, num_classes, builder)
+    images = torch.zeros(DRY_RUN_IMAGES, 3, IMAGE_SIZE, IMAGE_SIZE)
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            logits = model(images)
+    except Exception as error:
+        raise user_code_error(target, f"its forward pass of a {tuple(images.shape)} batch", error) from None
+    expected = (DRY_RUN_IMAGES, num_classes)
+    is_tensor = isinstance(logits, torch.Tensor)
+    got = f"shape {tuple(logits.shape)}" if is_tensor else f"a {type(logits).__name__}"
+    if not is_tensor or tuple(logits.shape) != expected:
+        raise ConfigError(
+            f"model.target={target}: a {tuple(images.shape)} batch of images gave {got}, not logits of "
+            f"shape {expected} (images, classes): make {target.partition(':')[2]}(num_classes) return "
+            "a model whose forward gives one logit per class"
+        )
+
+
+def check_target(target: str, num_classes: int = 10) -> None:
+    """Build model.target and forward a batch through it before anything else is built, on a
+    copy that is thrown away: on the meta device (shapes only: no memory, no arithmetic) and,
+    where that fails, once more on the CPU, whose verdict stands (code the meta device cannot
+    run: weights read from a file, a data-dependent op). The command line checks with CIFAR-10's
+    10 classes; build_model checks again with the dataset's count (an image folder's may differ)."""
+    builder = import_target(target)  # outside the meta device: the module's own tensors stay real
+    try:
+        with torch.device("meta"):
+            dry_run(target, builder, num_classes)
+    except ConfigError:
+        dry_run(target, builder, num_classes)
 
 
 def initialize_from_data(model: nn.Module, split) -> None:
@@ -252,6 +327,7 @@ def build_model(cfg: ModelConfig, num_classes: int) -> nn.Module:
                 "built-in models only",
                 cfg.target,
             )
+        check_target(cfg.target, num_classes)
         return build_target(cfg.target, num_classes)
     model = BUILDERS[cfg.name](num_classes, conv_bias=cfg.conv_bias)
     if cfg.name is ModelName.cnn and (cfg.grad_checkpointing or not cfg.conv_bias):

@@ -18,6 +18,13 @@ log = logging.getLogger(__name__)
 BEFORE_FIRST_STEP = 1e-9
 
 
+# A peak lr this far below optim.lr (lr_base_batch over 1000x the global batch with linear
+# scaling, 10^6x with sqrt), or this small whatever the cause, hardly moves the weights: it is a
+# slip such as optim.lr_base_batch=1e12, not a setting, and the run says so as it does for lr=0.
+VANISHING_SCALE = 1e-3  # of optim.lr
+VANISHING_LR = 1e-8
+
+
 # lr_scaling=auto, by optimizer: SGD's update is proportional to the gradient, whose noise
 # falls as 1/batch (linear, Goyal et al.); Adam's is normalized by the gradient's size, and the
 # square root keeps its noise per update constant (Malladi et al.; timm's default for Adam-family).
@@ -66,6 +73,24 @@ def build_optimizer(cfg: OptimConfig, model: nn.Module, extra: dict, lr: float) 
     kernels) decided in perf.py."""
     if lr == 0:
         log.warning("optim.lr=0: the weights will not change; set e.g. optim.lr=0.05 to train")
+    elif lr < VANISHING_SCALE * cfg.lr:
+        log.warning(
+            "optim.lr_base_batch=%d scales optim.lr=%g down to a peak lr of %.3g at this run's global "
+            "batch (%s scaling): the weights will hardly change; give optim.lr for a batch near the "
+            "run's, e.g. optim.lr_base_batch=128",
+            cfg.lr_base_batch,
+            cfg.lr,
+            lr,
+            scaling_rule(cfg).value,
+        )
+    elif lr < VANISHING_LR:
+        log.warning(
+            "peak lr %.3g (optim.lr=%g, optim.lr_base_batch=%d): the weights will hardly change; "
+            "set e.g. optim.lr=0.05",
+            lr,
+            cfg.lr,
+            cfg.lr_base_batch,
+        )
     params = parameter_groups(cfg, model, lr)
     if cfg.name is OptimizerName.adamw:
         return torch.optim.AdamW(
