@@ -21,7 +21,7 @@ from trainer.ema import WeightAverage, warmed_up_decay
 from trainer.evaluate import EVALUATION, evaluate_run, evaluated_weights, main
 from trainer.evaluation import evaluate, tta_views
 from trainer.export import FILES, load_exported
-from trainer.models import fastcnn
+from trainer.fastcnn import fastcnn
 from trainer.progress import Progress
 
 RECIPE = (
