@@ -8,9 +8,12 @@ import logging
 import pytest
 import torch
 from conftest import compose_config
+from torch import nn
 
 from trainer import Trainer
-from trainer.config import ConfigError
+from trainer.config import ConfigError, to_train_config
+from trainer.models import build_model
+from trainer.perf import bucket_cap_mb
 
 DDP = ["ddp=true", "devices=2", "deterministic=true", "data.train_size=64", "batch_size=8"]
 VARIANTS = {
@@ -56,6 +59,7 @@ def gradients_under_each_variant(ranks, configs: dict, run_dir: str) -> dict:
                 "all_reduces": len(all_reduces),
                 "grad_storages": len({p.grad.untyped_storage().data_ptr() for p in parameters.values()}),
                 "static_graph": trainer.ddp_model.static_graph,
+                "bucket_bytes_cap": trainer.ddp_model.bucket_bytes_cap,
             }
         return seen
     finally:
@@ -106,6 +110,9 @@ def test_bucket_size_bucket_views_and_static_graph_reach_ddp(effects):
     # linear layer is one bucket and the rest another
     assert effects["bucket_25mb"]["all_reduces"] == 1
     assert effects["bucket_half_mb"]["all_reduces"] >= 2
+    # ddp_bucket_cap_mb=auto (the default): the cnn's whole gradient, rounded up, plus 1 MB
+    assert effects["none"]["bucket_bytes_cap"] == 6 * 2**20
+    assert effects["bucket_25mb"]["bucket_bytes_cap"] == 25 * 2**20
     # as bucket views, the gradients live in DDP's few flat buckets instead of one tensor each
     assert effects["bucket_view"]["grad_storages"] < effects["none"]["grad_storages"]
     assert (effects["static_graph"]["static_graph"], effects["none"]["static_graph"]) == (True, False)
@@ -121,3 +128,16 @@ def test_data_parallel_is_one_line_on_cpu_and_exclusive_with_ddp(tmp_path, caplo
         trainer = Trainer(compose_config("data_parallel=true", "devices=2"), tmp_path / "b").build()
     assert trainer.model is trainer.raw_model
     assert "data_parallel=true has no effect here (it splits each batch over CUDA devices" in caplog.text
+
+
+def test_auto_buckets_hold_a_small_gradient_whole_and_leave_a_large_one_to_torch():
+    cfg = to_train_config(compose_config("model=resnet18"))
+    with torch.device("meta"):
+        resnet18 = build_model(cfg.model, num_classes=10)  # 44.7 MB (42.6 MiB) of fp32 gradients
+        large = nn.Linear(8192, 8192)  # 256 MB
+    assert bucket_cap_mb(cfg, resnet18) == 44  # MiB, as DDP counts them
+    assert bucket_cap_mb(cfg, large) == 25
+    assert bucket_cap_mb(to_train_config(compose_config("ddp_bucket_cap_mb=100")), large) == 100
+    assert to_train_config(compose_config("perf=fast", small=False)).ddp_gradient_as_bucket_view
+    with pytest.raises(ConfigError, match="ddp_bucket_cap_mb must be auto or a size in MB above 0"):
+        to_train_config(compose_config("ddp_bucket_cap_mb=0"))

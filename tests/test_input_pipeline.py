@@ -77,7 +77,7 @@ def test_decoded_images_are_kept_for_the_next_run_until_a_file_changes(image_fol
     assert torch.equal(first.train.images, after_change.train.images)
     assert caplog.text.count("decoded 49 images of") == 2  # the first run and after the change
     assert caplog.text.count("read 49 decoded images") == 1 and caplog.text.count("read 18 decoded") == 2
-    assert len(list((image_folder / ".trainer-cache").glob("train-*.npy"))) == 2  # a new fingerprint
+    assert len(list((image_folder / ".trainer-cache").glob("train-*.pixels"))) == 2  # a new fingerprint
     assert not list((image_folder / ".trainer-cache").glob("*.tmp"))
 
 

@@ -65,9 +65,10 @@ class LrScaling(Enum):
 
 
 class Schedule(Enum):
-    onecycle = "onecycle"
+    onecycle = "onecycle"  # torch's OneCycleLR: cosine rise and fall, momentum cycled 0.95 -> 0.85 -> 0.95
     cosine = "cosine"
     constant = "constant"
+    linear = "linear"  # a straight rise from lr_start_frac x the peak, then a straight fall to 0
 
 
 class AmpDtype(Enum):
@@ -125,7 +126,8 @@ class DataConfig:
     download: bool = True  # cifar10: download into root when absent
     train_size: int = 5_000  # synthetic: training images
     test_size: int = 1_000  # synthetic: test images
-    augment: bool = True  # random crop 32 with 4-pixel padding + horizontal flip (training only)
+    augment: bool = True  # random crop 32 of the zero-padded image + horizontal flip (training only)
+    crop_padding: int = 4  # augment: pixels of padding on each side, so shifts of up to this many
     loader: LoaderKind = LoaderKind.torch  # torch DataLoader, or gpu-resident tensors
     decode: DecodeMode = DecodeMode.auto  # imagefolder: when image files are decoded
     decode_cache: bool = False  # imagefolder: keep decoded images in <root>/.trainer-cache for the next run
@@ -133,6 +135,11 @@ class DataConfig:
     cutout: int = 0  # training: blank a square this many pixels wide (mean colour) at a random place
 
     def __post_init__(self) -> None:
+        if not 0 <= self.crop_padding <= 16:
+            raise ConfigError(
+                f"data.crop_padding must be 0 to 16 pixels, got {self.crop_padding}: "
+                "set e.g. data.crop_padding=4"
+            )
         if not 0 <= self.cutout <= 32:
             raise ConfigError(
                 f"data.cutout must be 0 (off) to 32 pixels, got {self.cutout}: set e.g. data.cutout=12"
@@ -150,8 +157,12 @@ class OptimConfig:
     weight_decay: float = 5e-4
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # adamw
     schedule: Schedule = Schedule.onecycle
-    warmup_frac: float = 0.2  # onecycle: fraction of the steps spent rising to lr
+    warmup_frac: float = 0.2  # onecycle, linear: fraction of the steps spent rising to lr
+    lr_start_frac: float = 0.2  # linear: the first step's lr, as a fraction of the peak
     label_smoothing: float = 0.0
+    # lr multiplier for BatchNorm shifts (biases); their weight decay is divided by it, so the
+    # decay per step stays. Fast CIFAR nets with a fixed BatchNorm scale train them 64x faster.
+    norm_bias_lr_scale: float = 1.0
 
     def __post_init__(self) -> None:
         # Checked here, not left to torch, so that a bad value costs one line before any run folder exists.
@@ -182,6 +193,13 @@ class OptimConfig:
             raise ConfigError(f"optim.label_smoothing must be in [0, 1), got {self.label_smoothing}")
         if not 0.0 < self.warmup_frac < 1.0:
             raise ConfigError(f"optim.warmup_frac must be in (0, 1), got {self.warmup_frac}")
+        if not 0.0 <= self.lr_start_frac <= 1.0:
+            raise ConfigError(f"optim.lr_start_frac must be in [0, 1], got {self.lr_start_frac}")
+        if not (math.isfinite(self.norm_bias_lr_scale) and self.norm_bias_lr_scale > 0):
+            raise ConfigError(
+                f"optim.norm_bias_lr_scale must be above 0, got {self.norm_bias_lr_scale}: "
+                "set optim.norm_bias_lr_scale=1"
+            )
         if self.lr_base_batch < 1:
             raise ConfigError(
                 f"optim.lr_base_batch must be at least 1, got {self.lr_base_batch}: "
@@ -192,14 +210,25 @@ class OptimConfig:
 @dataclass
 class EvalConfig:
     tta: TtaMode = TtaMode.none  # test-time augmentation: logits averaged over views -> test_acc_tta
+    # the first epoch evaluated on the test set; then every eval_every epochs, and always the last
+    # (a recipe that knows when its target can be reached evaluates no earlier)
+    from_epoch: int = 1
+
+    def __post_init__(self) -> None:
+        if self.from_epoch < 1:
+            raise ConfigError(
+                f"eval.from_epoch must be at least 1, got {self.from_epoch}: set eval.from_epoch=1"
+            )
 
 
 @dataclass
 class EmaConfig:
-    # An exponential moving average of the weights, evaluated, checkpointed and exported in their
-    # place; BatchNorm running statistics are copied from the trained model at each update.
+    # An exponential moving average of the weights and BatchNorm statistics, evaluated,
+    # checkpointed and exported in place of the trained weights (trainer/ema.py says how).
     enabled: bool = False
-    decay: float = 0.99  # per update: average = decay x average + (1 - decay) x weights
+    # per update once warmed up: average = decay x average + (1 - decay) x weights; update n
+    # uses at most (1 + n) / (10 + n), so the initialization fades from the average at once
+    decay: float = 0.99
     update_every: int = 1  # optimizer steps between updates
 
     def __post_init__(self) -> None:
@@ -259,7 +288,9 @@ class TrainConfig:
     ddp_backend: DdpBackend = DdpBackend.auto
     ddp_max_restarts: int = 0  # restart the ranks from the run's last checkpoint after one dies, N times
     ddp_comm_hook: DdpCommHook = DdpCommHook.none  # gradient compression for DDP's all-reduce
-    ddp_bucket_cap_mb: float = 25.0  # DDP gradient bucket size: one all-reduce per bucket
+    # DDP gradient bucket size in MB, one all-reduce per bucket; auto: the whole gradient in one
+    # bucket up to 128 MB, torch's 25 MB above (trainer/perf.py says why)
+    ddp_bucket_cap_mb: Any = "auto"
     ddp_gradient_as_bucket_view: bool = False  # .grad are views into DDP's buckets: no copy, less memory
     ddp_static_graph: bool = False  # the same graph every step: DDP plans its buckets once
     # nn.DataParallel over `devices` GPUs in one process (null: all); batch_size is split between them
@@ -293,9 +324,12 @@ class TrainConfig:
             raise ConfigError(f"devices must be null or at least 1, got {self.devices}")
         if self.ddp_max_restarts < 0:
             raise ConfigError(f"ddp_max_restarts must be 0 or more, got {self.ddp_max_restarts}")
-        if not (math.isfinite(self.ddp_bucket_cap_mb) and self.ddp_bucket_cap_mb > 0):
+        bucket = self.ddp_bucket_cap_mb
+        number = isinstance(bucket, (int, float)) and not isinstance(bucket, bool)
+        if bucket != "auto" and not (number and math.isfinite(bucket) and bucket > 0):
             raise ConfigError(
-                f"ddp_bucket_cap_mb must be above 0, got {self.ddp_bucket_cap_mb}: set ddp_bucket_cap_mb=25"
+                f"ddp_bucket_cap_mb must be auto or a size in MB above 0, got {bucket!r}: "
+                "set ddp_bucket_cap_mb=auto or ddp_bucket_cap_mb=25"
             )
         if self.ddp and self.data_parallel:
             raise ConfigError(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +56,17 @@ def tta_views(mode: TtaMode) -> list[View]:
         return [identity, mirror]
     shifted = [translate(TRANSLATE_PIXELS), translate(-TRANSLATE_PIXELS)]
     return [identity, mirror, *shifted, *(flipped(view) for view in shifted)]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Which epochs end with an evaluation: every `every` epochs from `from_epoch` on, and the last."""
+
+    from_epoch: int
+    every: int
+
+    def due(self, epoch: int, last: bool) -> bool:
+        return last or (epoch >= self.from_epoch and epoch % self.every == 0)
 
 
 @torch.no_grad()

@@ -49,14 +49,26 @@ class Meter:
         return images_per_s * self.flops_per_image / self.peak_flops
 
 
-def flops_per_image(model_cfg: ModelConfig, num_classes: int, batch_shape: tuple[int, ...]) -> float:
-    """Forward + backward FLOPs per image of the model, at this batch shape."""
+def flops_per_image(model_cfg: ModelConfig, num_classes: int, batch_shape: tuple[int, ...]) -> float | None:
+    """Forward + backward FLOPs per image of the model, at this batch shape; None for a
+    model.target whose code the meta device cannot run (it trains on a real device all the same)."""
     plain = dataclasses.replace(model_cfg, grad_checkpointing=False, conv_bias=True)  # bias: not counted
-    with torch.device("meta"):
-        model = build_model(plain, num_classes)
-        images = torch.empty(batch_shape)
-    with FlopCounterMode(display=False) as counter:
-        model(images).sum().backward()
+    try:
+        with torch.device("meta"):
+            model = build_model(plain, num_classes)
+            images = torch.empty(batch_shape)
+        with FlopCounterMode(display=False) as counter:
+            model(images).sum().backward()
+    except Exception as error:
+        if not model_cfg.target:
+            raise
+        log.info(
+            "MFU not reported: the FLOPs of model.target=%s are counted on the meta device, where its "
+            "code fails (%s)",
+            model_cfg.target,
+            str(error).splitlines()[0] if str(error) else type(error).__name__,
+        )
+        return None
     return counter.get_total_flops() / batch_shape[0]
 
 
@@ -75,7 +87,7 @@ def peak_tflops(device_name: str, precision_name: str) -> float | None:
     return None
 
 
-def meter(cfg: TrainConfig, device: torch.device, flops: float, world_size: int) -> Meter:
+def meter(cfg: TrainConfig, device: torch.device, flops: float | None, world_size: int) -> Meter:
     """The run's MFU meter; where the device's peak is unknown, one log line says so."""
     if device.type != "cuda":
         log.info("MFU not reported: no peak FLOP/s known for %s (mfu is null)", device)

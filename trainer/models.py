@@ -1,11 +1,18 @@
 """Models by name: the tutorial CNN, torchvision's ResNet-18 with the CIFAR stem and a small
-ResNet-9-style net (fastcnn); or the user's own, from `model.target=module:callable`."""
+fast-training CIFAR net (fastcnn); or the user's own, from `model.target=module:callable`.
+
+A model with an `initialize_from_data(images)` method is handed the normalized training images
+(a few thousand) once, after it is built and before training: fastcnn sets its whitening conv so.
+"""
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import logging
-from collections import OrderedDict
+import os
+import sys
+import traceback
 from collections.abc import Callable
 
 import torch
@@ -14,6 +21,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from trainer.config import ConfigError, ModelConfig, ModelName
+from trainer.data import Normalizer
+from trainer.data.augment import IMAGE_SIZE
+from trainer.fastcnn import WHITENING_IMAGES, fastcnn
 
 log = logging.getLogger(__name__)
 
@@ -58,65 +68,6 @@ def resnet18(num_classes: int, conv_bias: bool = True) -> nn.Module:
             if isinstance(module, nn.Conv2d):
                 module.bias = nn.Parameter(torch.zeros(module.out_channels))
     return model
-
-
-def conv_bn(in_channels: int, out_channels: int, conv_bias: bool) -> nn.Sequential:
-    return nn.Sequential(
-        nn.Conv2d(in_channels, out_channels, 3, padding=1, bias=conv_bias),
-        nn.BatchNorm2d(out_channels),
-        nn.GELU(),
-    )
-
-
-class Residual(nn.Sequential):
-    """x + the children applied to x."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + super().forward(x)
-
-
-class Scale(nn.Module):
-    def __init__(self, factor: float):
-        super().__init__()
-        self.factor = factor
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.factor
-
-
-FASTCNN_WIDTHS = (64, 128, 256, 512)
-FASTCNN_HEAD_SCALE = 0.125  # small logits at the start: the softmax is not saturated by a fresh head
-
-
-def fastcnn(num_classes: int, conv_bias: bool = True, widths: tuple[int, ...] = FASTCNN_WIDTHS) -> nn.Module:
-    """A ResNet-9-style CIFAR net (Page's DAWNBench design): a conv stem, three stages of
-    conv -> max-pool, a residual pair of convs after the first and last, a global max-pool and
-    a scaled linear head. Every conv is conv-BN-GELU; 8 convs in all, 6.6M parameters."""
-    stem, first, middle, last = widths
-
-    def stage(in_channels: int, out_channels: int, residual: bool) -> nn.Sequential:
-        layers = [conv_bn(in_channels, out_channels, conv_bias), nn.MaxPool2d(2)]
-        if residual:
-            layers.append(
-                Residual(
-                    conv_bn(out_channels, out_channels, conv_bias),
-                    conv_bn(out_channels, out_channels, conv_bias),
-                )
-            )
-        return nn.Sequential(*layers)
-
-    return nn.Sequential(
-        OrderedDict(
-            stem=conv_bn(3, stem, conv_bias),
-            layer1=stage(stem, first, residual=True),
-            layer2=stage(first, middle, residual=False),
-            layer3=stage(middle, last, residual=True),
-            pool=nn.AdaptiveMaxPool2d(1),
-            flatten=nn.Flatten(),
-            head=nn.Linear(last, num_classes, bias=False),
-            scale=Scale(FASTCNN_HEAD_SCALE),
-        )
-    )
 
 
 class CheckpointedStage(nn.Sequential):
@@ -168,21 +119,106 @@ def import_target(target: str) -> Callable[[int], nn.Module]:
     return builder
 
 
-def build_target(target: str, num_classes: int) -> nn.Module:
-    model = import_target(target)(num_classes)
+def build_target(target: str, num_classes: int, builder: Callable | None = None) -> nn.Module:
+    """model.target called with the number of classes; anything its code raises comes back as
+    one ConfigError naming model.target, the user's message and where it was raised."""
+    builder = builder or import_target(target)
+    name = target.partition(":")[2]
+    try:
+        inspect.signature(builder).bind(num_classes)
+    except TypeError:
+        raise ConfigError(
+            f"model.target={target}: {name}{inspect.signature(builder)} cannot be called with the number "
+            f"of classes alone: define it as {name}(num_classes) returning a torch.nn.Module"
+        ) from None
+    except ValueError:
+        pass  # no signature to read (a builtin): the call itself says
+    try:
+        model = builder(num_classes)
+    except Exception as error:
+        raise user_code_error(target, f"{name}({num_classes})", error) from None
     if not isinstance(model, nn.Module):
         raise ConfigError(
             f"model.target={target} returned a {type(model).__name__}, not a torch.nn.Module: "
-            f"make {target.partition(':')[2]}(num_classes) return one"
+            f"make {name}(num_classes) return one"
         )
     return model
 
 
-def check_target(target: str) -> None:
-    """Import and call model.target before the run starts, on the meta device (no memory, no
-    compute); 10 classes stand in for the dataset's count, which only sizes the last layer."""
-    with torch.device("meta"):
-        build_target(target, num_classes=10)
+def user_code_error(target: str, call: str, error: Exception) -> ConfigError:
+    """An exception from the user's model code as one line: the call, the exception, and the
+    last line of the user's own files that it passed through."""
+    first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    message = f"{type(error).__name__}: {first_line}" if first_line else type(error).__name__
+    files = user_files(target)
+    frames = [
+        frame for frame in traceback.extract_tb(error.__traceback__) if frame.filename.startswith(files)
+    ]
+    where = f" at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno}" if files and frames else ""
+    return ConfigError(
+        f"model.target={target}: {call} raised {message}{where}: fix the model's code, "
+        "or train a built-in model with model.target=null"
+    )
+
+
+def user_files(target: str) -> str:
+    """The file of model.target's top-level module, or its folder (with a separator) for a package."""
+    top = sys.modules.get(target.partition(":")[0].split(".")[0])
+    file = getattr(top, "__file__", None) or ""
+    return os.path.dirname(file) + os.sep if os.path.basename(file) == "__init__.py" else file
+
+
+DRY_RUN_IMAGES = 2  # BatchNorm in training mode needs two values per channel
+
+
+def dry_run(target: str, builder: Callable, num_classes: int) -> None:
+    """Build model.target and forward a batch of images through it in training mode, as the
+    training step will: it must take (N, 3, 32, 32) and give (N, num_classes) logits."""
+    model = build_target(target, num_classes, builder)
+    images = torch.zeros(DRY_RUN_IMAGES, 3, IMAGE_SIZE, IMAGE_SIZE)
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            logits = model(images)
+    except Exception as error:
+        raise user_code_error(target, f"its forward pass of a {tuple(images.shape)} batch", error) from None
+    expected = (DRY_RUN_IMAGES, num_classes)
+    is_tensor = isinstance(logits, torch.Tensor)
+    got = f"shape {tuple(logits.shape)}" if is_tensor else f"a {type(logits).__name__}"
+    if not is_tensor or tuple(logits.shape) != expected:
+        raise ConfigError(
+            f"model.target={target}: a {tuple(images.shape)} batch of images gave {got}, not logits of "
+            f"shape {expected} (images, classes): make {target.partition(':')[2]}(num_classes) return "
+            "a model whose forward gives one logit per class"
+        )
+
+
+def check_target(target: str, num_classes: int = 10) -> None:
+    """Build model.target and forward a batch through it before anything else is built, on a
+    copy that is thrown away: on the meta device (shapes only: no memory, no arithmetic) and,
+    where that fails, once more on the CPU, whose verdict stands (code the meta device cannot
+    run: weights read from a file, a data-dependent op). The command line checks with CIFAR-10's
+    10 classes; build_model checks again with the dataset's count (an image folder's may differ)."""
+    builder = import_target(target)  # outside the meta device: the module's own tensors stay real
+    try:
+        with torch.device("meta"):
+            dry_run(target, builder, num_classes)
+    except ConfigError:
+        dry_run(target, builder, num_classes)
+
+
+def initialize_from_data(model: nn.Module, split) -> None:
+    """Hand a model with `initialize_from_data` its normalized training images (the first few
+    thousand, on the CPU), once, before training."""
+    if not hasattr(model, "initialize_from_data"):
+        return
+    if split.images is None:
+        log.warning(
+            "%s cannot see the training images (decoded file by file each epoch): it keeps its "
+            "default initialization. Set data.decode=once to initialize it from the data",
+            type(model).__name__,
+        )
+        return
+    model.initialize_from_data(Normalizer(torch.device("cpu"))(split.images[:WHITENING_IMAGES]))
 
 
 def build_model(cfg: ModelConfig, num_classes: int) -> nn.Module:
@@ -193,6 +229,7 @@ def build_model(cfg: ModelConfig, num_classes: int) -> nn.Module:
                 "built-in models only",
                 cfg.target,
             )
+        check_target(cfg.target, num_classes)
         return build_target(cfg.target, num_classes)
     model = BUILDERS[cfg.name](num_classes, conv_bias=cfg.conv_bias)
     if cfg.name is ModelName.cnn and (cfg.grad_checkpointing or not cfg.conv_bias):

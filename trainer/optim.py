@@ -18,6 +18,13 @@ log = logging.getLogger(__name__)
 BEFORE_FIRST_STEP = 1e-9
 
 
+# A peak lr this far below optim.lr (lr_base_batch over 1000x the global batch with linear
+# scaling, 10^6x with sqrt), or this small whatever the cause, hardly moves the weights: it is a
+# slip such as optim.lr_base_batch=1e12, not a setting, and the run says so as it does for lr=0.
+VANISHING_SCALE = 1e-3  # of optim.lr
+VANISHING_LR = 1e-8
+
+
 # lr_scaling=auto, by optimizer: SGD's update is proportional to the gradient, whose noise
 # falls as 1/batch (linear, Goyal et al.); Adam's is normalized by the gradient's size, and the
 # square root keeps its noise per update constant (Malladi et al.; timm's default for Adam-family).
@@ -39,12 +46,52 @@ def peak_lr(cfg: OptimConfig, global_batch: int) -> float:
     return cfg.lr
 
 
+def parameter_groups(cfg: OptimConfig, model: nn.Module, lr: float) -> list[dict]:
+    """The trainable parameters; BatchNorm shifts in a group of their own when
+    optim.norm_bias_lr_scale is not 1."""
+    trainable = [param for param in model.parameters() if param.requires_grad]
+    if cfg.norm_bias_lr_scale == 1:
+        return [{"params": trainable}]
+    norms = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.GroupNorm, nn.LayerNorm)
+    shifts = {
+        id(module.bias)
+        for module in model.modules()
+        if isinstance(module, norms) and module.bias is not None and module.bias.requires_grad
+    }
+    return [
+        {"params": [param for param in trainable if id(param) not in shifts]},
+        {
+            "params": [param for param in trainable if id(param) in shifts],
+            "lr": lr * cfg.norm_bias_lr_scale,
+            "weight_decay": cfg.weight_decay / cfg.norm_bias_lr_scale,
+        },
+    ]
+
+
 def build_optimizer(cfg: OptimConfig, model: nn.Module, extra: dict, lr: float) -> torch.optim.Optimizer:
     """`lr`: the peak lr for this run's batch (`peak_lr`); `extra` carries perf toggles (fused
     kernels) decided in perf.py."""
     if lr == 0:
         log.warning("optim.lr=0: the weights will not change; set e.g. optim.lr=0.05 to train")
-    params = model.parameters()
+    elif lr < VANISHING_SCALE * cfg.lr:
+        log.warning(
+            "optim.lr_base_batch=%d scales optim.lr=%g down to a peak lr of %.3g at this run's global "
+            "batch (%s scaling): the weights will hardly change; give optim.lr for a batch near the "
+            "run's, e.g. optim.lr_base_batch=128",
+            cfg.lr_base_batch,
+            cfg.lr,
+            lr,
+            scaling_rule(cfg).value,
+        )
+    elif lr < VANISHING_LR:
+        log.warning(
+            "peak lr %.3g (optim.lr=%g, optim.lr_base_batch=%d): the weights will hardly change; "
+            "set e.g. optim.lr=0.05",
+            lr,
+            cfg.lr,
+            cfg.lr_base_batch,
+        )
+    params = parameter_groups(cfg, model, lr)
     if cfg.name is OptimizerName.adamw:
         return torch.optim.AdamW(
             params, lr=lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay, **extra
@@ -63,6 +110,19 @@ def constant(_step: int) -> float:
     return 1.0
 
 
+def linear_warmup_decay(total_steps: int, warmup_frac: float, start_frac: float):
+    """The lr factor of each step: start_frac rising in a straight line to 1 over warmup_frac of
+    the steps, then falling in a straight line to 0 after the last step."""
+    rise = max(1, round(warmup_frac * total_steps))
+
+    def factor(step: int) -> float:
+        if step < rise:
+            return start_frac + (1 - start_frac) * step / rise
+        return max(0.0, (total_steps - step) / max(1, total_steps - rise))
+
+    return factor
+
+
 def onecycle_pct_start(warmup_frac: float, total_steps: int) -> float:
     """warmup_frac, unless its rise would end exactly at step 0 (see BEFORE_FIRST_STEP)."""
     if warmup_frac * total_steps - 1 == 0:
@@ -75,9 +135,13 @@ def build_scheduler(cfg: OptimConfig, optimizer: torch.optim.Optimizer, total_st
     The peak is the lr the optimizer was built with."""
     if cfg.schedule is Schedule.onecycle:
         pct_start = onecycle_pct_start(cfg.warmup_frac, total_steps)
+        peaks = [group["lr"] for group in optimizer.param_groups]
         return torch.optim.lr_scheduler.OneCycleLR(
-            optimizer, max_lr=optimizer.defaults["lr"], total_steps=total_steps, pct_start=pct_start
+            optimizer, max_lr=peaks, total_steps=total_steps, pct_start=pct_start
         )
+    if cfg.schedule is Schedule.linear:
+        factor = linear_warmup_decay(total_steps, cfg.warmup_frac, cfg.lr_start_frac)
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
     if cfg.schedule is Schedule.cosine:
         return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, constant)

@@ -8,11 +8,14 @@ toggle cannot act on this device, one log line says so and the run carries on wi
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
+import math
 import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from enum import Enum
 
 import torch
 from torch import nn
@@ -27,6 +30,43 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 
 def cannot_act(toggle: str, reason: str) -> None:
     log.info("%s has no effect here (%s); carrying on without it", toggle, reason)
+
+
+# The ddp_* toggles, and which of them DistributedDataParallel itself reads (the others are
+# read where the processes are launched).
+DDP_TOGGLES = (
+    "ddp_backend",
+    "ddp_max_restarts",
+    "ddp_comm_hook",
+    "ddp_bucket_cap_mb",
+    "ddp_gradient_as_bucket_view",
+    "ddp_static_graph",
+)
+DDP_WRAPPER_TOGGLES = DDP_TOGGLES[2:]
+
+
+def unused_ddp_toggles(cfg: TrainConfig) -> None:
+    """One line for the ddp_* toggles set away from their defaults where no DistributedDataParallel
+    reads them: without ddp=true, or with it in a single process."""
+    names = DDP_WRAPPER_TOGGLES if cfg.ddp else DDP_TOGGLES
+    defaults = {field.name: field.default for field in dataclasses.fields(TrainConfig)}
+    changed = [
+        f"{name}={override_value(getattr(cfg, name))}"
+        for name in names
+        if getattr(cfg, name) != defaults[name]
+    ]
+    if changed:
+        reason = "one process: nothing to all-reduce" if cfg.ddp else "ddp=false: no DistributedDataParallel"
+        cannot_act(" / ".join(changed), reason)
+
+
+def override_value(value: object) -> str:
+    """A config value as it is written on the command line."""
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, bool):
+        return str(value).lower()
+    return format(value, "g") if isinstance(value, float) else str(value)
 
 
 def apply_backend_flags(cfg: TrainConfig, device: torch.device) -> None:
@@ -222,14 +262,35 @@ def comm_hook(cfg: TrainConfig) -> tuple[object, Callable] | None:
     return None
 
 
+TORCH_BUCKET_MB = 25.0  # DistributedDataParallel's own default
+ONE_BUCKET_UP_TO_MB = 128
+
+
+def bucket_cap_mb(cfg: TrainConfig, module: nn.Module) -> float:
+    """ddp_bucket_cap_mb, with auto resolved for this model's gradient.
+
+    auto puts a gradient of up to ONE_BUCKET_UP_TO_MB in one bucket: one all-reduce after
+    backward instead of several beside it. On 2 H200s (NVLink, ResNet-18's 44.7 MB gradient,
+    512 images per GPU, perf=fast) one bucket gave 91.9% per-GPU efficiency (91.4-92.4%, 3 runs)
+    against 82.5% (75.5-87.7%) for torch's 25 MB buckets: the all-reduce itself takes 0.19 ms,
+    the cost was the per-bucket work beside backward. Larger gradients keep torch's buckets, so
+    that communication still overlaps a backward long enough to hide it."""
+    if cfg.ddp_bucket_cap_mb != "auto":
+        return float(cfg.ddp_bucket_cap_mb)
+    gradient_mb = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad) / 2**20
+    return float(math.ceil(gradient_mb) + 1) if gradient_mb <= ONE_BUCKET_UP_TO_MB else TORCH_BUCKET_MB
+
+
 def distributed_data_parallel(
     cfg: TrainConfig, module: nn.Module, device: torch.device
 ) -> nn.parallel.DistributedDataParallel:
     """DDP with the ddp_* communication toggles, inside the process group the run is in."""
+    bucket_mb = bucket_cap_mb(cfg, module)
+    log.info("ddp: gradient buckets of %g MB (ddp_bucket_cap_mb=%s)", bucket_mb, cfg.ddp_bucket_cap_mb)
     model = nn.parallel.DistributedDataParallel(
         module,
         device_ids=[device.index] if device.type == "cuda" else None,
-        bucket_cap_mb=cfg.ddp_bucket_cap_mb,
+        bucket_cap_mb=bucket_mb,
         gradient_as_bucket_view=cfg.ddp_gradient_as_bucket_view,
         static_graph=cfg.ddp_static_graph,
     )
@@ -270,6 +331,8 @@ def prepare_model(
     model = model.to(device, memory_format=memory_format(cfg))
     if wrap_ddp is not None:
         model = wrap_ddp(model)
+    else:
+        unused_ddp_toggles(cfg)
     model = data_parallel(cfg, model, device)
     if cfg.compile:
         model = torch.compile(model, mode=cfg.compile_mode.value)
@@ -289,6 +352,12 @@ class Profiler:
         self.profiler = None
         if not self.enabled:
             return
+        if not torch.cuda.is_available():
+            # Writing the trace, kineto asks the CUDA driver for device properties even when only
+            # CPU activity was recorded, and without a GPU prints "ERROR: ... gpuGetDeviceCount
+            # failed" on stderr. Level 5 keeps its errors about GPUs out of a CPU run; it is read
+            # when the profiler first starts in the process, and a value the user set stays.
+            os.environ.setdefault("KINETO_LOG_LEVEL", "5")
         activities = [torch.profiler.ProfilerActivity.CPU]
         if torch.cuda.is_available():
             activities.append(torch.profiler.ProfilerActivity.CUDA)

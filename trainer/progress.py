@@ -13,7 +13,9 @@ class Progress:
     batch_in_epoch: int = 0  # micro-batches of the current epoch already consumed
     train_time_s: float = 0.0  # training time, evaluation excluded
     eval_time_s: float = 0.0  # evaluation time
-    time_to_target_s: float | None = None  # training + evaluation time until target_acc was first reached
+    compile_s: float = 0.0  # warm-up steps that compiled and autotuned before training was timed
+    # training + evaluation time until target_acc was first reached (compile_s not included)
+    time_to_target_s: float | None = None
     epochs_to_target: int | None = None  # the epoch whose evaluation first reached target_acc
     best_test_acc: float | None = None
     history: list[dict] = field(default_factory=list)  # one record per completed epoch
@@ -59,6 +61,7 @@ class Progress:
             "steps": self.step,
             "train_time_s": self.train_time_s,
             "eval_time_s": self.eval_time_s,
+            "compile_s": self.compile_s,
             "time_to_target_s": self.time_to_target_s,
             "epochs_to_target": self.epochs_to_target,
             "peak_mem_mb": max(peaks) if peaks else None,

@@ -9,6 +9,7 @@ was ready; the gaps are read once, at the end of the epoch.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -80,3 +81,16 @@ def data_wait_timer(enabled: bool, device_type: str):
     if not enabled:
         return NoDataWaitTimer()
     return CudaDataWaitTimer() if device_type == "cuda" else HostDataWaitTimer()
+
+
+IMPORTED = time.monotonic()
+
+
+def process_age_s() -> float:
+    """Seconds since this process started (Linux: from /proc; elsewhere since this import)."""
+    try:
+        with open("/proc/self/stat") as stat, open("/proc/uptime") as uptime:
+            started_ticks = int(stat.read().rpartition(")")[2].split()[19])  # field 22: starttime
+            return float(uptime.read().split()[0]) - started_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return time.monotonic() - IMPORTED

@@ -9,6 +9,8 @@ Every decision is taken in `build`; the step functions below it have no config b
 from __future__ import annotations
 
 import contextlib
+import copy
+import itertools
 import logging
 import math
 import os
@@ -38,12 +40,16 @@ from trainer.distributed import Ranks
 from trainer.ema import WeightAverage, weight_average
 from trainer.export import export_model
 from trainer.logging import RunLog, SilentRunLog, configure_rank_logging, read_metrics, write_json_atomic
-from trainer.models import build_model
+from trainer.models import build_model, initialize_from_data
 from trainer.optim import build_optimizer, build_scheduler, peak_lr, scaling_rule
 from trainer.progress import Progress
-from trainer.timing import data_wait_timer
+from trainer.timing import data_wait_timer, process_age_s
 
 log = logging.getLogger(__name__)
+
+# Steps run before the clock starts when there is compiling or autotuning to do: CUDA graphs
+# are recorded on the second call and the optimizer's fused kernel is built on the first.
+WARM_UP_STEPS = 3
 
 
 class NonFiniteLoss(TrainerError):
@@ -164,6 +170,7 @@ class Trainer:
         if not self.built:
             self.build(ranks)
         previous_handlers = self._catch_stop_signals()
+        self.progress.compile_s += self._warm_up()
         self.fit_started = time.perf_counter()
         try:
             self._train()
@@ -200,6 +207,7 @@ class Trainer:
             rank=ranks.rank,
             world_size=ranks.world_size,
             cutout=cfg.data.cutout,
+            padding=cfg.data.crop_padding,
         )
         if cfg.data.loader is LoaderKind.gpu:
             if device.type != "cuda":
@@ -221,6 +229,7 @@ class Trainer:
 
         self.classes = splits.classes
         self.raw_model = build_model(cfg.model, num_classes=len(splits.classes))
+        initialize_from_data(self.raw_model, splits.train)
         wrap_ddp = None
         if ranks.world_size > 1:
 
@@ -247,10 +256,19 @@ class Trainer:
         self.optimizer = build_optimizer(cfg.optim, self.raw_model, perf.optimizer_kwargs(cfg), self.lr_peak)
         self.average = weight_average(cfg.ema, self.raw_model)
         self.tta_views = evaluation.tta_views(cfg.eval.tta)
+        self.eval_plan = evaluation.Plan(cfg.eval.from_epoch, cfg.eval_every)
         self.steps_per_epoch = math.ceil(len(train) / cfg.grad_accum_steps)
         self.total_steps = cfg.epochs * self.steps_per_epoch
         if cfg.max_steps is not None:
             self.total_steps = min(self.total_steps, cfg.max_steps)
+        if cfg.ema.enabled and cfg.ema.update_every > self.total_steps:
+            raise ConfigError(
+                f"ema.update_every={cfg.ema.update_every} is more than this run's {self.total_steps} "
+                "optimizer steps: the average would never be updated and would be the random "
+                "initialization. Lower ema.update_every, or set ema.enabled=false"
+            )
+        warm = cfg.compile or (cfg.cudnn_benchmark and device.type == "cuda" and not cfg.deterministic)
+        self.warm_up_steps = WARM_UP_STEPS if warm else 0
         self.scheduler = build_scheduler(cfg.optim, self.optimizer, self.total_steps)
         self.loss_fn = nn.CrossEntropyLoss(label_smoothing=cfg.optim.label_smoothing)
         self.autocast = perf.autocast_context(cfg, device)
@@ -297,7 +315,7 @@ class Trainer:
             self.progress.epoch += 1
             self.progress.batch_in_epoch = 0
             last = self.progress.epoch == cfg.epochs or self.progress.step >= self.total_steps
-            if self.progress.epoch % cfg.eval_every == 0 or last:
+            if self.eval_plan.due(self.progress.epoch, last):
                 evaluated = time.perf_counter()
                 record.update(self.evaluate())  # its all-reduce's .tolist() waits for the device
                 record["eval_s"] = time.perf_counter() - evaluated
@@ -423,6 +441,33 @@ class Trainer:
             "train_time_s": self.progress.train_time_s,
         }
 
+    def _warm_up(self) -> float:
+        """Compile and autotune on the first training batches and one evaluation before the clock
+        starts, then put back every state those steps changed; returns their seconds (compile_s)."""
+        if not self.warm_up_steps:
+            return 0.0
+        started = time.perf_counter()
+        parts = {"model": self.raw_model, "optimizer": self.optimizer}
+        if self.scaler.is_enabled():
+            parts["scaler"] = self.scaler
+        saved = {name: copy.deepcopy(part.state_dict()) for name, part in parts.items()}
+        self.model.train()
+        self.train_loader.set_epoch(self.progress.epoch)
+        for images, labels in itertools.islice(self.train_batches, self.warm_up_steps):
+            self._forward_backward(images, labels, 1)
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            self.zero_grad()
+        for name, part in parts.items():
+            part.load_state_dict(saved[name])
+        self.evaluate()  # cuDNN's autotuning of the evaluation's shapes, outside time to target
+        self.synchronize()
+        seconds = time.perf_counter() - started
+        log.info(
+            "warm-up: %d steps compiled and autotuned in %.1f s (compile_s)", self.warm_up_steps, seconds
+        )
+        return seconds
+
     def _forward_backward(self, images: torch.Tensor, labels: torch.Tensor, divisor: int):
         with self.autocast():
             logits = self.model(images)
@@ -543,6 +588,7 @@ class Trainer:
             "lr_peak": self.lr_peak,
             "target_acc": self.cfg.target_acc,
             "export": self.exported,
+            "wall_s": process_age_s(),
         }
 
     def _record_failure(self, error: BaseException) -> None:

@@ -11,8 +11,7 @@ import numpy as np
 import torch
 
 IMAGE_SIZE = 32
-PADDING = 4
-CROP_POSITIONS = 2 * PADDING + 1  # top (and left) offsets 0..8 in the padded image
+PADDING = 4  # the crop's default padding: offsets -4..4 (data.crop_padding)
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR10_STD = (0.2470, 0.2435, 0.2616)
 
@@ -36,11 +35,15 @@ def epoch_key(seed: int, epoch: int) -> np.uint64:
     return _mix(_mix(np.asarray(seed, dtype=np.uint64)) ^ np.uint64(epoch))
 
 
-def augmentation(seed: int, epoch: int, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(top, left, flip) of each image's random crop and horizontal flip in this epoch."""
+def augmentation(
+    seed: int, epoch: int, indices: np.ndarray, padding: int = PADDING
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(top, left, flip) of each image's random crop of the image padded by `padding` (offsets
+    0..2 x padding in the padded image) and horizontal flip in this epoch."""
+    positions = np.uint64(2 * padding + 1)
     bits = _mix(epoch_key(seed, epoch) ^ np.asarray(indices, dtype=np.uint64))
-    top = (bits % np.uint64(CROP_POSITIONS)).astype(np.int64)
-    left = ((bits >> np.uint64(16)) % np.uint64(CROP_POSITIONS)).astype(np.int64)
+    top = (bits % positions).astype(np.int64)
+    left = ((bits >> np.uint64(16)) % positions).astype(np.int64)
     flip = ((bits >> np.uint64(32)) & np.uint64(1)).astype(bool)
     return top, left, flip
 
@@ -89,9 +92,9 @@ def rank_shard(size: int, rank: int, world_size: int) -> np.ndarray:
     return np.arange(rank, size, world_size)
 
 
-def pad(images: np.ndarray) -> np.ndarray:
-    """(N, C, H, W) uint8 -> zero-padded by PADDING on each side of H and W."""
-    return np.pad(images, ((0, 0), (0, 0), (PADDING, PADDING), (PADDING, PADDING)))
+def pad(images: np.ndarray, padding: int = PADDING) -> np.ndarray:
+    """(N, C, H, W) uint8 -> zero-padded by `padding` on each side of H and W."""
+    return np.pad(images, ((0, 0), (0, 0), (padding, padding), (padding, padding)))
 
 
 def crop_windows(padded: np.ndarray) -> np.ndarray:

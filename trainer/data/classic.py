@@ -17,6 +17,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from trainer.data.augment import (
+    PADDING,
     augmentation,
     crop_and_flip_numpy,
     crop_windows,
@@ -78,11 +79,12 @@ def with_cutout(images: np.ndarray, seed: int, epoch: int, index: np.ndarray, si
 class MemoryBatches(Dataset):
     """Batches cut from uint8 images held in memory."""
 
-    def __init__(self, split: ImageSplit, seed: int, augment: bool, cutout: int):
+    def __init__(self, split: ImageSplit, seed: int, augment: bool, cutout: int, padding: int):
         self.labels, self.seed, self.augment, self.cutout = split.labels, seed, augment, cutout
+        self.padding = padding
         images = split.images.numpy()
         self.images = images
-        self.windows = crop_windows(pad(images)) if augment else None
+        self.windows = crop_windows(pad(images, padding)) if augment else None
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -90,7 +92,8 @@ class MemoryBatches(Dataset):
     def __getitem__(self, key: EpochBatch) -> Batch:
         epoch, index = key
         if self.augment:
-            images = crop_and_flip_numpy(self.windows, index, *augmentation(self.seed, epoch, index))
+            crops = augmentation(self.seed, epoch, index, self.padding)
+            images = crop_and_flip_numpy(self.windows, index, *crops)
         else:
             images = self.images[index]
         images = with_cutout(images, self.seed, epoch, index, self.cutout)
@@ -100,9 +103,9 @@ class MemoryBatches(Dataset):
 class FileBatches(Dataset):
     """Batches decoded file by file, every epoch (folders too large to hold in memory)."""
 
-    def __init__(self, split: ImageSplit, seed: int, augment: bool, cutout: int):
+    def __init__(self, split: ImageSplit, seed: int, augment: bool, cutout: int, padding: int):
         self.labels, self.files, self.seed, self.augment = split.labels, split.files, seed, augment
-        self.cutout = cutout
+        self.cutout, self.padding = cutout, padding
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -111,8 +114,9 @@ class FileBatches(Dataset):
         epoch, index = key
         images = np.stack([decode_image(self.files[i]) for i in index])
         if self.augment:
+            crops = augmentation(self.seed, epoch, index, self.padding)
             images = crop_and_flip_numpy(
-                crop_windows(pad(images)), np.arange(len(index)), *augmentation(self.seed, epoch, index)
+                crop_windows(pad(images, self.padding)), np.arange(len(index)), *crops
             )
         images = with_cutout(images, self.seed, epoch, index, self.cutout)
         return torch.from_numpy(images), self.labels[index]
@@ -125,9 +129,11 @@ class EpochLoader(DataLoader):
         self.sampler.set_epoch(epoch, skip_batches)
 
 
-def batches_of(split: ImageSplit, seed: int, augment: bool, cutout: int = 0) -> Dataset:
+def batches_of(
+    split: ImageSplit, seed: int, augment: bool, cutout: int = 0, padding: int = PADDING
+) -> Dataset:
     kind = MemoryBatches if split.images is not None else FileBatches
-    return kind(split, seed, augment, cutout)
+    return kind(split, seed, augment, cutout, padding)
 
 
 def torch_loaders(
@@ -139,11 +145,12 @@ def torch_loaders(
     world_size: int,
     loader_kwargs: dict,
     cutout: int = 0,
+    padding: int = PADDING,
 ) -> tuple[EpochLoader, EpochLoader]:
-    """cutout: the square's size in pixels for training batches (0: none)."""
+    """cutout: the square's size in pixels for training batches (0: none); padding: the crop's."""
     loaders = []
     for split, train in ((splits.train, True), (splits.test, False)):
         sampler = EpochBatches(len(split), batch_size, seed, rank, world_size, train)
-        dataset = batches_of(split, seed, augment and train, cutout if train else 0)
+        dataset = batches_of(split, seed, augment and train, cutout if train else 0, padding)
         loaders.append(EpochLoader(dataset, batch_size=None, sampler=sampler, **loader_kwargs))
     return loaders[0], loaders[1]

@@ -23,6 +23,10 @@ from trainer.data.augment import (
 from trainer.data.classic import EpochBatches
 from trainer.data.sources import ImageSplit
 
+# Images augmented per launch: a chunk bounds the scratch memory of the gather and the cutout
+# mask whatever the dataset's size.
+CHUNK = 4096
+
 
 class GpuLoader:
     """Training: every rank the same permutation, each its own shard; the last partial batch
@@ -40,14 +44,16 @@ class GpuLoader:
         rank: int = 0,
         world_size: int = 1,
         cutout: int = 0,
+        padding: int = PADDING,
     ):
         self.device = images.device
+        self.padding = padding
         self.labels = labels
         self.batch_size = batch_size
         self.augment = augment and train
         self.cutout = cutout if train else 0
         self.seed = seed
-        self.images = F.pad(images, (PADDING,) * 4) if self.augment else images
+        self.images = F.pad(images, (padding,) * 4) if self.augment else images
         self.batches = EpochBatches(len(labels), batch_size, seed, rank, world_size, train)
 
     def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
@@ -57,28 +63,36 @@ class GpuLoader:
         return len(self.batches)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        # The DataLoader path's batches, drawn for the whole epoch and copied over at once.
+        # The DataLoader path's batches, drawn for the whole epoch and copied over at once; the
+        # epoch's images are augmented in a few large launches, so that each batch is a slice
+        # (per-batch crop and cutout kernels cost 9% of a ResNet-18 step on an H200).
         order, epoch = self.batches.epoch_indices(), self.batches.epoch
         index = torch.from_numpy(order).to(self.device)
-        if self.augment:
+        images = torch.cat(
+            [self.augmented(index, order, epoch, start) for start in range(0, len(order), CHUNK)]
+        )
+        labels = self.labels[index]
+        for start in range(0, len(order), self.batch_size):
+            yield images[start : start + self.batch_size], labels[start : start + self.batch_size]
+
+    def augmented(self, index: torch.Tensor, order: np.ndarray, epoch: int, start: int) -> torch.Tensor:
+        """Images order[start : start + CHUNK] of the epoch, cropped, flipped and cut out."""
+        chunk = slice(start, start + CHUNK)
+        if not self.augment:
+            images = self.images[index[chunk]]
+        else:
             top, left, flip = (
                 torch.from_numpy(np.ascontiguousarray(values)).to(self.device)
-                for values in augmentation(self.seed, epoch, order)
+                for values in augmentation(self.seed, epoch, order[chunk], self.padding)
             )
+            images = crop_and_flip(self.images, index[chunk], top, left, flip)
         if self.cutout:
             cut_top, cut_left = (
                 torch.from_numpy(values).to(self.device)
-                for values in cutout_corners(self.seed, epoch, order, self.cutout)
+                for values in cutout_corners(self.seed, epoch, order[chunk], self.cutout)
             )
-        for start in range(0, len(order), self.batch_size):
-            batch = slice(start, start + self.batch_size)
-            if self.augment:
-                images = crop_and_flip(self.images, index[batch], top[batch], left[batch], flip[batch])
-            else:
-                images = self.images[index[batch]]
-            if self.cutout:
-                images = cutout(images, cut_top[batch], cut_left[batch], self.cutout)
-            yield images, self.labels[index[batch]]
+            images = cutout(images, cut_top, cut_left, self.cutout)
+        return images
 
 
 def gpu_loaders(
@@ -90,6 +104,7 @@ def gpu_loaders(
     world_size: int,
     device: torch.device,
     cutout: int = 0,
+    padding: int = PADDING,
 ) -> tuple[GpuLoader, GpuLoader]:
     loaders = []
     for split, train in ((splits.train, True), (splits.test, False)):
@@ -105,6 +120,7 @@ def gpu_loaders(
                 rank=rank,
                 world_size=world_size,
                 cutout=cutout,
+                padding=padding,
             )
         )
     return loaders[0], loaders[1]

@@ -1,0 +1,110 @@
+"""Time to accuracy: each row's command over several seeds, each run its own process, one table.
+
+    python scripts/time_to_accuracy.py --data-root ~/cifar10 --seeds 0,1,2 \
+        --row "fastcnn_94=model=fastcnn perf=fast recipe=fastcnn_94 target_acc=0.94"
+
+A row is NAME=OVERRIDES. Every run gets data=imagefolder data.root=... data.decode_cache=true
+and its seed; results are appended to --out (JSON lines) as they come, so a run cut short keeps
+what finished. The table gives, per row: the seeds' mean, std and min test accuracy (with TTA
+where the run uses it), epochs to the target, time to target (training plus the evaluations it
+needed, compilation excluded), compile_s and wall_s (process start to exit), as medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def run_once(overrides: list[str], seed: int, data_root: str, folder: Path) -> dict:
+    command = [
+        sys.executable,
+        "-m",
+        "trainer",
+        *overrides,
+        "data=imagefolder",
+        f"data.root={data_root}",
+        "data.decode_cache=true",
+        f"seed={seed}",
+        f"hydra.run.dir={folder}",
+    ]
+    started = time.perf_counter()
+    result = subprocess.run(command, capture_output=True, text=True)
+    outside = time.perf_counter() - started
+    metrics_file = folder / "metrics.json"
+    metrics = json.loads(metrics_file.read_text()) if metrics_file.is_file() else {}
+    if result.returncode != 0:
+        metrics.setdefault("status", "failed")
+        metrics["error_tail"] = (result.stdout + result.stderr)[-2000:]
+    metrics["process_s"] = outside
+    return metrics
+
+
+def accuracy(metrics: dict) -> float | None:
+    return metrics.get("test_acc_tta") or metrics.get("test_acc")
+
+
+def row_summary(name: str, runs: list[dict]) -> str:
+    accuracies = [accuracy(r) for r in runs if accuracy(r) is not None]
+    if not accuracies:
+        return f"| {name} | {len(runs)} | failed | | | | | | | |"
+
+    def median(key: str) -> str:
+        values = [r[key] for r in runs if r.get(key) is not None]
+        return f"{statistics.median(values):.2f}" if values else "-"
+
+    std = statistics.stdev(accuracies) if len(accuracies) > 1 else 0.0
+    epochs = sorted({r.get("epochs_to_target") for r in runs}, key=lambda e: (e is None, e))
+    reached = ", ".join(str(e) for e in epochs)
+    return (
+        f"| {name} | {len(accuracies)} | {100 * statistics.mean(accuracies):.2f}% | {100 * std:.2f} "
+        f"| {100 * min(accuracies):.2f}% | {reached} | {median('time_to_target_s')} "
+        f"| {median('train_time_s')} | {median('eval_time_s')} | {median('compile_s')} | {median('wall_s')} "
+        f"| {median('img_per_s')} |"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--data-root", required=True, help="class folders: <root>/train, <root>/test")
+    parser.add_argument("--row", action="append", required=True, help="NAME=OVERRIDES (repeatable)")
+    parser.add_argument("--seeds", default="0,1,2", help="comma-separated seeds for every row")
+    parser.add_argument("--out", default="time_to_accuracy.jsonl", help="JSON lines, one per run")
+    args = parser.parse_args()
+    seeds = [int(seed) for seed in args.seeds.split(",")]
+    rows = [row.partition("=")[::2] for row in args.row]
+    results: dict[str, list[dict]] = {name: [] for name, _ in rows}
+    workdir = Path(tempfile.mkdtemp(prefix="tta-"))
+    with open(args.out, "a") as out:
+        for name, overrides in rows:
+            for seed in seeds:
+                metrics = run_once(overrides.split(), seed, args.data_root, workdir / f"{name}-{seed}")
+                metrics.update(row=name, seed=seed)
+                results[name].append(metrics)
+                out.write(json.dumps({k: v for k, v in metrics.items() if k != "history"}) + "\n")
+                out.flush()
+                print(
+                    f"{name} seed {seed}: {metrics.get('status')} acc {accuracy(metrics)} "
+                    f"ttt {metrics.get('time_to_target_s')} compile {metrics.get('compile_s')} "
+                    f"wall {metrics.get('wall_s')} {metrics.get('error_tail', '')[-300:]}",
+                    flush=True,
+                )
+    print(
+        "\n| row | seeds | mean acc | std | min | epochs to target | time to target s | train s | eval s "
+        "| compile s | wall s | img/s |"
+    )
+    print("| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for name, _ in rows:
+        print(row_summary(name, results[name]))
+
+
+if __name__ == "__main__":
+    main()
