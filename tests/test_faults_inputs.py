@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import SMALL, cli_environment, compose_config
+from conftest import HANG_GUARD_S, SMALL, cli_environment, compose_config
 from PIL import Image
 from torch import nn
 
@@ -372,7 +372,7 @@ def test_the_profiler_on_a_cpu_prints_no_gpu_errors(tmp_path):
     code = PROFILE_STEPS.format(trace_dir=str(tmp_path / "profile"))
 
     result = subprocess.run(
-        [sys.executable, "-c", code], env=environment, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", code], env=environment, capture_output=True, text=True, timeout=HANG_GUARD_S
     )
 
     assert result.returncode == 0, result.stderr
