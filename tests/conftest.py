@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import resource
 import subprocess
@@ -153,3 +154,56 @@ def toggle_sweep(tmp_path_factory) -> Path:
 needs_subset = pytest.mark.skipif(
     not SUBSET.is_dir(), reason=f"the real-image subset is absent ({SUBSET}); it ships with shared/ in CI"
 )
+
+
+class LoggedLines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+@pytest.fixture(scope="session")
+def real_image_run(tmp_path_factory) -> dict:
+    """The cnn, 2 epochs (78 steps) on the real-image subset, with a weight average updated
+    every 5th step: test_data_sources checks that the cnn learns, test_recipe that the average
+    tracks the trained weights. The average changes what is evaluated, not the training.
+    {"trainer", "metrics", "trained_test_acc" (the trained weights', not the average's),
+    "data_log" (what the data source logged)}."""
+    from trainer import Trainer
+    from trainer.config import TtaMode
+    from trainer.evaluation import evaluate, tta_views
+
+    cfg = compose_config(
+        "model=cnn",
+        "data=imagefolder",
+        f"data.root={SUBSET}",
+        "data.augment=false",  # two epochs are too few for augmentation to pay off
+        "epochs=2",
+        "batch_size=128",
+        "optim=adamw",
+        "optim.lr=0.002",
+        "ema.enabled=true",
+        "ema.decay=0.98",
+        "ema.update_every=5",
+        small=False,
+    )
+    data_log, logged = logging.getLogger("trainer.data.sources"), LoggedLines()
+    level = data_log.level
+    data_log.setLevel(logging.INFO)
+    data_log.addHandler(logged)
+    try:
+        trainer = Trainer(cfg, tmp_path_factory.mktemp("real-images") / "run")
+        metrics = trainer.fit()
+    finally:
+        data_log.removeHandler(logged)
+        data_log.setLevel(level)
+    trained = evaluate(trainer.raw_model, trainer.test_batches, tta_views(TtaMode.none), trainer.device)
+    return {
+        "trainer": trainer,
+        "metrics": metrics,
+        "trained_test_acc": trained["test_acc"],
+        "data_log": "\n".join(logged.lines),
+    }

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SUBSET, compose_config, needs_subset, read_metrics
+from conftest import compose_config, needs_subset, read_metrics
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
 
@@ -248,28 +248,12 @@ def test_model_fastcnn_builds_trains_and_checkpoints(tmp_path):
 
 
 @needs_subset
-def test_the_weight_average_of_a_short_real_run_is_as_good_as_the_trained_weights(tmp_path):
+def test_the_weight_average_of_a_short_real_run_is_as_good_as_the_trained_weights(real_image_run):
     """78 steps on real images, an update every 5th: a fixed 0.98 decay left 74% of the average
     at the random initialization (chance accuracy); warmed up, it tracks the trained weights."""
-    cfg = compose_config(
-        "model=cnn",
-        "data=imagefolder",
-        f"data.root={SUBSET}",
-        "data.augment=false",
-        "epochs=2",
-        "batch_size=128",
-        "optim=adamw",
-        "optim.lr=0.002",
-        "ema.enabled=true",
-        "ema.decay=0.98",
-        "ema.update_every=5",
-        small=False,
-    )
-    trainer = Trainer(cfg, tmp_path / "run")
-    metrics = trainer.fit()
-    trained = evaluate(trainer.raw_model, trainer.test_batches, tta_views(TtaMode.none), trainer.device)
-    assert trained["test_acc"] > 0.3  # chance is 0.1
-    assert metrics["test_acc"] == pytest.approx(trained["test_acc"], abs=0.04)
+    trained = real_image_run["trained_test_acc"]
+    assert trained > 0.3  # chance is 0.1
+    assert real_image_run["metrics"]["test_acc"] == pytest.approx(trained, abs=0.04)
 
 
 def test_the_warm_up_puts_back_every_state_it_changed(tmp_path):
