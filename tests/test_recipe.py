@@ -259,7 +259,17 @@ def test_the_weight_average_of_a_short_real_run_is_as_good_as_the_trained_weight
 def test_the_warm_up_puts_back_every_state_it_changed(tmp_path):
     """The compile warm-up trains 3 steps and evaluates once before the clock; the run then
     ends with the weights of a run without it, and its seconds are compile_s."""
-    overrides = ("deterministic=true", "max_steps=4", "optim=adamw", "amp=true")
+    # half of SMALL's images a step, a quarter of its test images: under amp (bf16) a CPU
+    # without AVX-512 takes ~1 s for a step of 32; max_steps still ends the run mid-epoch
+    overrides = (
+        "deterministic=true",
+        "max_steps=4",
+        "optim=adamw",
+        "amp=true",
+        "batch_size=16",
+        "data.train_size=128",
+        "data.test_size=32",
+    )
     plain = Trainer(compose_config(*overrides), tmp_path / "plain")
     plain.fit()
     warmed = Trainer(compose_config(*overrides), tmp_path / "warmed").build()

@@ -47,7 +47,8 @@ def restore_backend_flags():
     ],
 )
 def test_amp_sets_the_dtype_seen_inside_forward(tmp_path, overrides, expected):
-    trainer = built(tmp_path, "max_steps=2", *overrides)
+    # 32 test images: bf16 autocast on a CPU without AVX-512 costs ~1 s a batch of 32
+    trainer = built(tmp_path, "max_steps=2", "data.test_size=32", *overrides)
     seen = []
     first(trainer.raw_model, nn.Conv2d).register_forward_hook(lambda m, i, out: seen.append(out.dtype))
     trainer.fit()
