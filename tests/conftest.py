@@ -107,6 +107,32 @@ def config():
     return compose_config
 
 
+# Session fixtures too costly to make once on each pytest-xdist worker.
+SHARED_RUNS = ("toggle_sweep", "real_image_run")
+# The longest files, started first so that the other workers fill in around them.
+LONGEST_FIRST = ("test_ddp", "test_toggles")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Group the tests for pytest-xdist (`--dist loadgroup`): each file runs on one worker, so
+    its module fixtures are made once, and files that use one of SHARED_RUNS run on the same
+    worker; the LONGEST_FIRST files lead."""
+    shared = {}  # module -> the shared run it uses
+    for item in items:
+        for name in SHARED_RUNS:
+            if name in item.fixturenames:
+                shared.setdefault(item.module.__name__, name)
+    for item in items:
+        module = item.module.__name__
+        item.add_marker(pytest.mark.xdist_group(shared.get(module, module)))
+
+    def rank(item: pytest.Item) -> int:
+        module = item.module.__name__
+        return LONGEST_FIRST.index(module) if module in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: the order within each file stays
+
+
 FINISHED = ("max_steps=2",)  # finished_run's overrides after SMALL
 
 
