@@ -6,11 +6,13 @@ from __future__ import annotations
 import json
 import math
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import compose_config, needs_subset, read_metrics
+from conftest import cli_environment, compose_config, needs_subset, read_metrics
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
 
@@ -199,6 +201,19 @@ def test_bad_evaluate_input_is_one_line_and_a_failing_exit(recipe_run, capsys, a
     assert main(argv) == 1
     error = capsys.readouterr().err
     assert error.startswith("evaluate: error: ") and fragment in error and error.count("\n") == 1
+
+
+def test_evaluate_answers_command_line_mistakes_before_importing_torch(recipe_run):
+    probe = (
+        "import sys; from trainer.evaluate import main; code = main(sys.argv[1:]); "
+        "print('torch imported' if 'torch' in sys.modules else 'torch not imported'); sys.exit(code)"
+    )
+    for argv in (["nowhere"], [str(recipe_run), "eval.ttta=flip"], [str(recipe_run), "eval.tta"]):
+        result = subprocess.run(
+            [sys.executable, "-c", probe, *argv], capture_output=True, text=True, env=cli_environment()
+        )
+        assert result.returncode == 1 and result.stdout.strip() == "torch not imported", result.stderr
+        assert result.stderr.startswith("evaluate: error: ")
 
 
 def test_fastcnn_learns_and_takes_channels_last():

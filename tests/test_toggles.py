@@ -9,7 +9,7 @@ import torch
 from conftest import compose_config
 from torch import nn
 
-from trainer import Trainer
+from trainer import Trainer, perf
 from trainer.data import GpuLoader, ImageSplit, Splits, crop_and_flip, gpu_loaders, torch_loaders
 from trainer.data.augment import CUTOUT_FILL
 from trainer.models import CheckpointedStage, build_model
@@ -122,7 +122,7 @@ def test_set_to_none_drops_or_zeroes_grads(tmp_path, set_to_none):
 
 
 def test_dataloader_fields_follow_the_toggles(tmp_path, caplog):
-    caplog.set_level(logging.INFO)
+    caplog.set_level(logging.DEBUG)
     trainer = built(
         tmp_path,
         "num_workers=2",
@@ -134,9 +134,21 @@ def test_dataloader_fields_follow_the_toggles(tmp_path, caplog):
     loader = trainer.train_loader
     assert (loader.num_workers, loader.persistent_workers, loader.prefetch_factor) == (2, True, 3)
     assert loader.pin_memory is False  # CPU: nothing to pin for, and the log says so
-    assert "pin_memory=true has no effect here" in caplog.text
-    assert "non_blocking=true has no effect here" in caplog.text
+    # Said once each (the test loader is moved too), at DEBUG: these are the defaults.
+    for toggle in ("pin_memory=true", "non_blocking=true"):
+        [record] = [r for r in caplog.records if r.getMessage().startswith(f"{toggle} has no effect here")]
+        assert record.levelno == logging.DEBUG
     assert built(tmp_path / "plain").train_loader.num_workers == 0
+
+
+@pytest.mark.parametrize("amx", [False, True])
+def test_amp_on_a_cpu_without_amx_warns_that_it_is_slower(tmp_path, caplog, monkeypatch, amx):
+    monkeypatch.setattr(perf, "cpu_has_amx", lambda: amx)
+    with caplog.at_level(logging.WARNING, logger="trainer.perf"):
+        built(tmp_path, "amp=true")
+    warned = [r.getMessage() for r in caplog.records if "amp=true on this CPU" in r.getMessage()]
+    assert len(warned) == (0 if amx else 1)
+    assert amx or ("10-13x slower" in warned[0] and "Set amp=false" in warned[0])
 
 
 def test_prefetch_on_cpu_says_so_and_moves_batches_plainly(tmp_path, caplog):

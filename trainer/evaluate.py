@@ -18,7 +18,14 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from trainer.checkpoint import CHECKPOINT
-from trainer.config import ExportFormat, TrainConfig, TrainerError, to_train_config
+from trainer.config import (
+    ExportFormat,
+    TrainConfig,
+    TrainerError,
+    schema_keys,
+    to_train_config,
+    unknown_key_message,
+)
 
 log = logging.getLogger("trainer.evaluate")
 EVALUATION = "evaluation.json"
@@ -41,10 +48,19 @@ def run_folder(checkpoint_path: Path) -> Path:
     return checkpoint_path.parent
 
 
-def with_overrides(saved: dict, overrides: list[str]) -> TrainConfig:
+def check_overrides(overrides: list[str]) -> None:
+    """key=value, with a key of the schema: answered before torch is imported."""
+    keys = set(schema_keys())
     for override in overrides:
-        if "=" not in override:
+        key, equals, _ = override.partition("=")
+        if not equals:
             raise TrainerError(f"'{override}' is not key=value: e.g. eval.tta=flip")
+        if key not in keys:
+            raise TrainerError(unknown_key_message(key))
+
+
+def with_overrides(saved: dict, overrides: list[str]) -> TrainConfig:
+    check_overrides(overrides)
     merged = OmegaConf.merge(OmegaConf.create(saved), OmegaConf.from_dotlist(overrides))
     merged.resume = None
     return to_train_config(merged)
@@ -61,6 +77,8 @@ def evaluated_weights(state: dict) -> tuple[str, dict]:
 
 
 def evaluate_run(run: str, overrides: list[str], export: ExportFormat = ExportFormat.none) -> dict:
+    checkpoint_file(run)  # mistakes in the command line are answered before torch is imported
+    check_overrides(overrides)
     import torch
 
     from trainer import evaluation, perf
@@ -108,7 +126,7 @@ def evaluate_run(run: str, overrides: list[str], export: ExportFormat = ExportFo
         "torch": torch.__version__,
     }
     if export is not ExportFormat.none:
-        result["export"] = str(export_model(model, export, folder))
+        result["export"] = str(export_model(model, export, folder).relative_to(folder))
     write_json_atomic(folder / EVALUATION, result)
     return result
 

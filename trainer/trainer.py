@@ -342,7 +342,8 @@ class Trainer:
                 log.info("resume=%s had already finished: nothing left to train", cfg.resume)
                 self._save_checkpoint()
             if cfg.export is not ExportFormat.none and self.ranks.is_main:
-                self.exported = str(export_model(self.average.module, cfg.export, self.run_dir))
+                exported = export_model(self.average.module, cfg.export, self.run_dir)
+                self.exported = str(exported.relative_to(self.run_dir))  # like evaluation.json's
 
     def _report_epoch(self, record: dict) -> None:
         """TensorBoard scalars, one log line, and the input-pipeline hint when data is slow."""
