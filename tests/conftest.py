@@ -107,24 +107,37 @@ def config():
     return compose_config
 
 
-# Session fixtures too costly to make once on each pytest-xdist worker.
-SHARED_RUNS = ("toggle_sweep", "real_image_run")
-# The longest files, started first so that the other workers fill in around them.
-LONGEST_FIRST = ("test_ddp", "test_toggles")
+# pytest-xdist (`-n auto --dist loadfile`, pyproject.toml) runs each file on one worker, so a
+# file's module fixtures are made once. Files that share a session run go to the same worker
+# too, so that it is made once: file -> the run.
+SHARED_RUN_FILES = {
+    "test_cli_run.py": "toggle_sweep",
+    "test_report.py": "toggle_sweep",
+    "test_data_sources.py": "real_image_run",
+    "test_recipe.py": "real_image_run",
+}
+# The files that take longest, started first so that the other worker fills in around them.
+LONGEST_FIRST = ("test_ddp", "test_recipe", "test_data_sources", "test_report", "test_cli_run")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadfile, with SHARED_RUN_FILES grouped (the xdist_group marks of --dist loadgroup
+    have no effect with pytest 9.2: xdist renames an attribute pytest no longer reads)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class LoadFileWithSharedRuns(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file = super()._split_scope(nodeid)
+            return SHARED_RUN_FILES.get(Path(file).name, file)
+
+    return LoadFileWithSharedRuns(config, log)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Group the tests for pytest-xdist (`--dist loadgroup`): each file runs on one worker, so
-    its module fixtures are made once, and files that use one of SHARED_RUNS run on the same
-    worker; the LONGEST_FIRST files lead."""
-    shared = {}  # module -> the shared run it uses
-    for item in items:
-        for name in SHARED_RUNS:
-            if name in item.fixturenames:
-                shared.setdefault(item.module.__name__, name)
-    for item in items:
-        module = item.module.__name__
-        item.add_marker(pytest.mark.xdist_group(shared.get(module, module)))
+    """The LONGEST_FIRST files lead (`--no-loadscope-reorder` keeps this order under xdist)."""
 
     def rank(item: pytest.Item) -> int:
         module = item.module.__name__
