@@ -26,7 +26,7 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from trainer import checkpoint, distributed, evaluation, mfu, perf
+from trainer import checkpoint, distributed, evaluation, mfu, perf, timing
 from trainer.config import (
     ConfigError,
     ExportFormat,
@@ -43,7 +43,7 @@ from trainer.logging import RunLog, SilentRunLog, configure_rank_logging, read_m
 from trainer.models import build_model, initialize_from_data
 from trainer.optim import build_optimizer, build_scheduler, peak_lr, scaling_rule
 from trainer.progress import Progress
-from trainer.timing import data_wait_timer, process_age_s
+from trainer.timing import data_wait_timer
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +93,7 @@ class Trainer:
         ranks: Ranks | None = None,
         overrides: list[str] | None = None,
     ):
+        timing.start_run()
         self.cfg: TrainConfig = to_train_config(cfg)
         self.config = OmegaConf.to_container(OmegaConf.structured(self.cfg), enum_to_str=True)
         self.run_dir = Path(run_dir) if run_dir is not None else default_run_dir()
@@ -589,7 +590,7 @@ class Trainer:
             "lr_peak": self.lr_peak,
             "target_acc": self.cfg.target_acc,
             "export": self.exported,
-            "wall_s": process_age_s(),
+            "wall_s": timing.wall_s(),
         }
 
     def _record_failure(self, error: BaseException) -> None:
