@@ -1,10 +1,9 @@
-"""scripts/report.py on real tiny sweeps (CPU): the table, the charts, the toggle summary,
+"""python -m trainer.report on real tiny sweeps (CPU): the table, the charts, the toggle summary,
 failed and unfinished jobs, seed groups; and TensorBoard HParams for every job of a sweep."""
 
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 import shutil
 import statistics
@@ -13,16 +12,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, SMALL, read_metrics, run_cli, run_folders
+from conftest import SMALL, cli_environment, read_metrics, run_cli, run_folders
 from matplotlib.image import imread
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
 from tensorboard.plugins.hparams import plugin_data_pb2
 
-SCRIPT = REPO / "scripts" / "report.py"
-_spec = importlib.util.spec_from_file_location("report", SCRIPT)
-report = sys.modules["report"] = importlib.util.module_from_spec(_spec)  # dataclasses look it up there
-_spec.loader.exec_module(report)
+from trainer.report import __main__ as report
 
 
 def sweep(tmp_path_factory, name: str, *values: str) -> Path:
@@ -83,7 +79,11 @@ def hparam_text(value) -> str:
 
 def test_cli_writes_the_report_into_the_sweep_folder(toggle_sweep):
     result = subprocess.run(
-        [sys.executable, str(SCRIPT), str(toggle_sweep)], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "trainer.report", str(toggle_sweep)],
+        env=cli_environment(),
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == (toggle_sweep / "report.md").read_text().strip()
