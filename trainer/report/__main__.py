@@ -19,14 +19,22 @@ from pathlib import Path
 
 from trainer.report.effects import toggle_effects
 from trainer.report.jobs import ReportError, load_jobs, recorded_target
-from trainer.report.plots import plot_accuracy, plot_speedup
 from trainer.report.rows import add_comparisons, choose_baseline, differing_keys, group_rows
 from trainer.report.tables import markdown_report, write_csv
 
+PROG = "python -m trainer.report"
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """A command-line mistake costs one line (not argparse's usage block) and exit code 2."""
+
+    def error(self, message: str) -> None:
+        self.exit(2, f"report: error: {message} (see {PROG} --help)\n")
+
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m trainer.report",
+    parser = OneLineParser(
+        prog=PROG,
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -67,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     report = markdown_report(title, rows, note, toggle_effects(rows, baseline), target_acc)
     (out / "report.md").write_text(report)
     write_csv(out / "report.csv", rows, target_acc)
+    from trainer.report.plots import plot_accuracy, plot_speedup  # matplotlib: only once there is a chart
+
     plot_speedup(rows, out / "speedup.png")
     plot_accuracy(jobs, keys, target_acc, out / "accuracy_vs_time.png")
     print(report)
