@@ -9,7 +9,9 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import venv
+from pathlib import Path
 
 from conftest import REPO
 
@@ -56,6 +58,13 @@ def test_a_built_wheel_runs_from_any_folder_with_the_configs_inside(tmp_path):
     venv.create(environment, system_site_packages=True, with_pip=False)
     python, script = environment / "bin" / "python", environment / "bin" / "trainer"
     run(sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps", str(wheel))
+    if sys.prefix != sys.base_prefix:
+        # Made from inside a virtual environment, the new one's system site-packages are the base
+        # interpreter's, not this environment's torch etc.: add ours behind its own (a plain path,
+        # so that no .pth of ours, such as an editable install of trainer, runs there).
+        site_packages = run(str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))")
+        ours = dict.fromkeys([sysconfig.get_path("purelib"), sysconfig.get_path("platlib")])
+        (Path(site_packages.stdout.strip()) / "outer_environment.pth").write_text("\n".join(ours) + "\n")
 
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
