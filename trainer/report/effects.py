@@ -36,7 +36,8 @@ def toggle_effects(
     """For a full factorial over two-level settings (booleans, or any key swept over two
     values): per key, the geometric-mean speed-up ratio and the mean accuracy change of
     switching it from its off level to its on level, over the other keys' settings, and
-    how many on/off pairs had numbers. None when the rows are not such a factorial."""
+    how many on/off pairs had numbers (images/s with warm-up in it counts as none). None when
+    the rows are not such a factorial."""
     levels = factor_levels(rows, baseline) if rows and rows[0].settings else None
     if not levels:
         return None
@@ -51,8 +52,8 @@ def toggle_effects(
         ratios, changes = [], []
         for off_key in (combo for combo in complete if combo[index] == off_level):
             off, on = settings[off_key], settings[(*off_key[:index], on_level, *off_key[index + 1 :])]
-            if on.mean("img_per_s") and off.mean("img_per_s"):
-                ratios.append(on.mean("img_per_s") / off.mean("img_per_s"))
+            if on.speed() and off.speed():
+                ratios.append(on.speed() / off.speed())
             if on.mean("test_acc") is not None and off.mean("test_acc") is not None:
                 changes.append(on.mean("test_acc") - off.mean("test_acc"))
         speedup = statistics.geometric_mean(ratios) if ratios else None

@@ -42,6 +42,8 @@ def plot_speedup(rows: list[Row], path: Path) -> None:
         if error:
             axes.errorbar(speedup, position, xerr=error, color="black", capsize=4)
         text = f"{speedup:.2f}×" if row.mean("speedup") else row.status
+        if row.includes_warm_up and not row.mean("speedup"):
+            text = "no speed-up: img/s includes warm-up"
         axes.text(speedup + error, position, f"  {text}", va="center")
     axes.set_yticks(list(positions), labels)
     axes.axvline(1.0, color="black", linewidth=0.8, linestyle="--")

@@ -2,8 +2,10 @@
 
 Owns: which overrides make a row (`differing_keys`, `group_rows`), a row's mean and std, the
 choice of the baseline row (`--baseline` or the rule in `choose_baseline`) and each job's
-speed-up and accuracy change against it. Must not touch: reading folders (jobs.py), formatting
-(tables.py), plotting (plots.py); nothing here writes a file or prints.
+speed-up and accuracy change against it. A row whose images/s includes warm-up (jobs.py,
+`includes_warm_up`) gets no speed-up and is no baseline while a row without warm-up can be.
+Must not touch: reading folders (jobs.py), formatting (tables.py), plotting (plots.py);
+nothing here writes a file or prints.
 """
 
 from __future__ import annotations
@@ -49,6 +51,14 @@ class Row:
         values = self.values(key)
         return statistics.stdev(values) if len(values) > 1 else None
 
+    @property
+    def includes_warm_up(self) -> bool:
+        return any(job.includes_warm_up for job in self.jobs if job.numbers.get("img_per_s") is not None)
+
+    def speed(self) -> float | None:
+        """Mean images/s where it can be compared: None when a job's includes warm-up."""
+        return None if self.includes_warm_up else self.mean("img_per_s")
+
 
 def differing_keys(jobs: list[Job]) -> list[str]:
     """Override keys whose value is not the same in every job, in command-line order."""
@@ -74,14 +84,17 @@ def matches(row: Row, spec: str) -> bool:
 
 
 def choose_baseline(rows: list[Row], spec: str | None) -> tuple[Row | None, str]:
-    """The row to compare against, and why it was chosen."""
-    measured = [row for row in rows if row.mean("img_per_s")]
+    """The row to compare against, and why it was chosen: among the rows without warm-up in their
+    images/s where there are any (else speed-ups cannot be had, only accuracy changes)."""
+    with_speed = [row for row in rows if row.mean("img_per_s")]
+    steady = [row for row in with_speed if row.speed()]
+    measured = steady or with_speed
     if spec:
         chosen = [row for row in rows if matches(row, spec)]
         if len(chosen) != 1:
             names = "; ".join(f"{row.name}: {row.label}" for row in rows)
             raise ReportError(f"--baseline {spec} matches {len(chosen)} rows, not 1 (rows: {names})")
-        if chosen[0] not in measured:
+        if chosen[0] not in with_speed:
             raise ReportError(
                 f"--baseline {spec} is job {chosen[0].name}, which has no images/s "
                 f"({chosen[0].status}): choose another with --baseline"
@@ -94,7 +107,8 @@ def choose_baseline(rows: list[Row], spec: str | None) -> tuple[Row | None, str]
     if all_off:
         return min(all_off, key=lambda row: row.mean("img_per_s")), "the slowest with every toggle off"
     if measured:
-        return min(measured, key=lambda row: row.mean("img_per_s")), "the slowest that completed"
+        which = "without warm-up in its images/s" if len(measured) < len(with_speed) else "that completed"
+        return min(measured, key=lambda row: row.mean("img_per_s")), f"the slowest {which}"
     return None, "no baseline: no job completed"
 
 
@@ -102,10 +116,10 @@ def add_comparisons(rows: list[Row], baseline: Row | None) -> None:
     if baseline is None:
         return
     baseline.is_baseline = True
-    base_speed, base_acc = baseline.mean("img_per_s"), baseline.mean("test_acc")
+    base_speed, base_acc = baseline.speed(), baseline.mean("test_acc")
     for row in rows:
         for job in row.jobs:
-            if job.numbers.get("img_per_s") is not None:
+            if job.numbers.get("img_per_s") is not None and not job.includes_warm_up and base_speed:
                 job.numbers["speedup"] = job.numbers["img_per_s"] / base_speed
             if job.numbers.get("test_acc") is not None and base_acc is not None:
                 job.numbers["test_acc_change"] = job.numbers["test_acc"] - base_acc

@@ -52,8 +52,25 @@ def columns(target_acc: float | None) -> tuple:
     return COLUMNS if target_acc is not None else COLUMNS[:-1]
 
 
+WARM_UP_MARK = " (with warm-up)"  # after an img/s that times a run's first epoch
+
+
 def cell(value: float | None, show: Callable[[float], str]) -> str:
     return "" if value is None else show(value)
+
+
+def warm_up_note(rows: list[Row]) -> list[str]:
+    """One line naming the jobs whose images/s includes warm-up, when there are any."""
+    timed = [job for row in rows for job in row.jobs if job.numbers.get("img_per_s")]
+    marked = [job.name for job in timed if job.includes_warm_up]
+    if not marked:
+        return []
+    which = "every job" if len(marked) == len(timed) else f"job {', '.join(marked)}"
+    return [
+        f"img/s{WARM_UP_MARK}: {which} timed only one epoch, warm-up included (a sweep's "
+        "first job also pays the process's start-up), so no speed-up is given; run with epochs>=2 "
+        "and img/s leaves the first epoch out."
+    ]
 
 
 def markdown_table(rows: list[Row], target_acc: float | None) -> list[str]:
@@ -66,6 +83,8 @@ def markdown_table(rows: list[Row], target_acc: float | None) -> list[str]:
             text, std = cell(row.mean(column.key), column.show), row.std(column.key)
             if std is not None and column.show_std:
                 text = f"{text} ± {column.show_std(std)}"
+            if column.key == "img_per_s" and text and row.includes_warm_up:
+                text += WARM_UP_MARK
             numbers.append(text)
         name = f"{row.name} (baseline)" if row.is_baseline else row.name
         cells = [name, *row.settings.values(), str(len(row.values("img_per_s"))), *numbers, row.status]
@@ -88,6 +107,7 @@ def markdown_report(title: str, rows: list[Row], baseline_note: str, effects, ta
             f"Time to target: training + evaluation seconds until the test accuracy (with TTA where "
             f"used) first reached {reached}."
         )
+    lines += warm_up_note(rows)
     lines += ["", *markdown_table(rows, target_acc)]
     if effects:
         lines += [
@@ -138,6 +158,7 @@ def write_csv(path: Path, rows: list[Row], target_acc: float | None) -> None:
                 "n": len(row.values("img_per_s")),
                 "status": row.status,
                 **csv_numbers(row, columns(target_acc)),
+                "img_per_s_includes_warm_up": "yes" if row.includes_warm_up else "",
                 "error": errors[0] if errors else "",
             }
         )
