@@ -6,7 +6,7 @@ plans or allocator state. Its images/s leaves out the first epoch (loader start,
 allocations, autotuning, the process's start-up); repeats give a median and a min-max spread;
 results can be appended as JSON lines as they come, so a stopped series keeps what finished.
 
-Owns: the warm-up rule (`timed_epochs`, `includes_warm_up`),
+Owns: the warm-up rule (`timed_epochs`, `includes_warm_up`; the sweep report reads it too),
 starting a trial and reading back what it left (`run_trial`), the numbers of one trial
 (`steady_numbers`) and of its repeats (`median_and_spread`), and the cells every trial table
 shares (`fmt`, `spread`, `environment`). Must not touch: what to run (row lists, peers and

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import yaml
 
+from trainer.trials import includes_warm_up
+
 BOOLEANS = ("false", "true")
 NO_METRICS = "no metrics.json"
 # read from metrics.json
@@ -35,7 +37,7 @@ class Job:
     metrics: dict  # metrics.json; empty when absent
     status: str
     numbers: dict[str, float] = field(default_factory=dict)  # only for completed jobs
-    includes_warm_up: bool = False  # its img_per_s times its first epoch: see includes_warm_up()
+    includes_warm_up: bool = False  # its img_per_s times its first epoch (trainer.trials has the rule)
 
 
 def natural_key(path: Path) -> list:
@@ -76,14 +78,6 @@ def read_metrics(folder: Path) -> tuple[dict, str]:
     except (json.JSONDecodeError, UnicodeDecodeError):
         return {}, "unreadable metrics.json"
     return metrics, str(metrics.get("status", "unknown"))
-
-
-def includes_warm_up(metrics: dict) -> bool:
-    """Whether the run's images/s includes its warm-up. The trainer leaves the first epoch out of
-    img_per_s only when there are two or more: a one-epoch run times its loader start, first
-    allocations and autotuning, and a sweep's first job also the process's own start-up (CUDA
-    context, first kernels), which the later jobs of the sweep find done."""
-    return len(metrics.get("history", [])) < 2
 
 
 def time_to_target(history: list[dict], target: float) -> float | None:

@@ -2,7 +2,7 @@
 
 Owns: which overrides make a row (`differing_keys`, `group_rows`), a row's mean and std, the
 choice of the baseline row (`--baseline` or the rule in `choose_baseline`) and each job's
-speed-up and accuracy change against it. A row whose images/s includes warm-up (jobs.py,
+speed-up and accuracy change against it. A row whose images/s includes warm-up (trainer.trials,
 `includes_warm_up`) gets no speed-up and is no baseline while a row without warm-up can be.
 Must not touch: reading folders (jobs.py), formatting (tables.py), plotting (plots.py);
 nothing here writes a file or prints.
