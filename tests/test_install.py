@@ -9,7 +9,9 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import venv
+from pathlib import Path
 
 from conftest import REPO
 
@@ -56,6 +58,13 @@ def test_a_built_wheel_runs_from_any_folder_with_the_configs_inside(tmp_path):
     venv.create(environment, system_site_packages=True, with_pip=False)
     python, script = environment / "bin" / "python", environment / "bin" / "trainer"
     run(sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps", str(wheel))
+    if sys.prefix != sys.base_prefix:
+        # Made from inside a virtual environment, the new one's system site-packages are the base
+        # interpreter's, not this environment's torch etc.: add ours behind its own (a plain path,
+        # so that no .pth of ours, such as an editable install of trainer, runs there).
+        site_packages = run(str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))")
+        ours = dict.fromkeys([sysconfig.get_path("purelib"), sysconfig.get_path("platlib")])
+        (Path(site_packages.stdout.strip()) / "outer_environment.pth").write_text("\n".join(ours) + "\n")
 
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
@@ -73,4 +82,18 @@ def test_a_built_wheel_runs_from_any_folder_with_the_configs_inside(tmp_path):
     help_text = run(str(script), "--help", cwd=elsewhere, env=env).stdout
     assert "model  cnn, fastcnn, resnet18*" in help_text  # the groups, read from the configs inside the wheel
     assert "recipe default*, fastcnn_94, resnet18_94" in help_text
-    assert [path.name for path in elsewhere.iterdir()] == ["outputs"]
+
+    # The sweep report travels in the wheel too: as a module and as a command, on the run above.
+    report_help = run(str(python), "-m", "trainer.report", "--help", cwd=elsewhere, env=env).stdout
+    assert report_help.startswith("usage: python -m trainer.report")
+    report = run(
+        str(environment / "bin" / "trainer-report"), "outputs", "--out", "report", cwd=elsewhere, env=env
+    )
+    assert report.stdout.startswith("# Report: outputs") and "| completed |" in report.stdout
+    assert {path.name for path in (elsewhere / "report").iterdir()} == {
+        "report.md",
+        "report.csv",
+        "speedup.png",
+        "accuracy_vs_time.png",
+    }
+    assert sorted(path.name for path in elsewhere.iterdir()) == ["outputs", "report"]
