@@ -43,7 +43,7 @@ COLUMNS = (
     Column("peak_mem_mb", "peak mem MB", "{:,.0f}".format, "{:,.0f}".format),
     Column("data_wait_frac", "data wait", "{:.1%}".format, "{:.1%}".format),
     Column("compile_s", "compile", "{:.1f} s".format, "{:.1f}".format),  # warm-up before the clock
-    Column("wall_s", "wall", "{:.1f} s".format, "{:.1f}".format),  # process start to exit
+    Column("wall_s", "wall", "{:.1f} s".format, "{:.1f}".format),  # the run from its start to its end
     Column("time_to_target_s", "time to target", "{:.1f} s".format, "{:.1f}".format),  # the last column
 )
 
