@@ -265,7 +265,7 @@ class Trainer:
             self._restore(*resume)
         # Files appear only once everything above has worked.
         if ranks.is_main:
-            checkpoint.remove_partial_write(self.run_dir / checkpoint.CHECKPOINT)
+            checkpoint.remove_partial_writes(self.run_dir / checkpoint.CHECKPOINT)
         self.run_log = RunLog(self.run_dir) if ranks.is_main else SilentRunLog(self.run_dir)
         self.profiler = perf.Profiler(cfg.profile and ranks.is_main, str(self.run_dir / "profile"))
         log.info(

@@ -1,0 +1,133 @@
+"""The fault battery of issue 19 as a table: what a user or an operator does to a run (reads it
+while it saves, starts a second run in its folder, fills the disk, kills or stops a rank) and
+what must hold afterwards.
+
+A row names its probe, a module fixture that does the thing once (rows that only look at
+another side of the same outcome share it), and what must hold. Every row also holds: no
+traceback anywhere in the output, the error (where the row expects one) is the last line on
+stderr, and no temporary file is left in the run folder. Input faults (user model code, the
+decode cache) have their own table in test_faults_inputs.py.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from conftest import SMALL, cli_environment
+
+from trainer.checkpoint import CHECKPOINT, load_checkpoint
+from trainer.logging import METRICS
+
+SAVES = 8  # R8: checkpoints the reader reads beside
+
+
+@dataclass
+class Outcome:
+    run_dir: Path
+    returncode: int | None = None  # None: the probe ran in this process
+    stdout: str = ""
+    stderr: str = ""  # in this process: the text of the error raised
+    facts: dict = field(default_factory=dict)  # what else the probe saw
+
+
+@dataclass(frozen=True)
+class Row:
+    probe: str  # a fixture giving an Outcome, or "fixture:key" of one giving a dict of them
+    exit_code: int | None = None
+    error: tuple[str, ...] = ()  # in the one error line: {run} is the run folder, {name} a fact
+    metrics: dict = field(default_factory=dict)  # fields metrics.json holds afterwards
+    check: Callable[[Outcome], None] | None = None  # what else must hold
+
+
+def small(*changes: str) -> list[str]:
+    """conftest.SMALL with these key=value overrides in place of its own."""
+    keys = {change.partition("=")[0] for change in changes}
+    return [arg for arg in SMALL if arg.partition("=")[0] not in keys] + list(changes)
+
+
+def start(args: list[str], run_dir: Path, env: dict | None = None) -> subprocess.Popen:
+    """`python -m trainer ARGS hydra.run.dir=run_dir`, its output into files beside the folder."""
+    with (
+        open(run_dir.parent / f"{run_dir.name}.stdout", "w") as stdout,
+        open(run_dir.parent / f"{run_dir.name}.stderr", "w") as stderr,
+    ):
+        return subprocess.Popen(
+            [sys.executable, "-m", "trainer", *args, f"hydra.run.dir={run_dir}"],
+            cwd=run_dir.parent,
+            env=cli_environment(env),
+            stdout=stdout,
+            stderr=stderr,
+        )
+
+
+def finish(process: subprocess.Popen, run_dir: Path, **facts) -> Outcome:
+    process.wait(timeout=240)
+    output = {name: (run_dir.parent / f"{run_dir.name}.{name}").read_text() for name in ("stdout", "stderr")}
+    return Outcome(run_dir, process.returncode, output["stdout"], output["stderr"], facts)
+
+
+def lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.strip()]
+
+
+# ---------------------------------------------------------------------------- probes
+
+
+@pytest.fixture(scope="module")
+def reads_beside_saves(tmp_path_factory) -> Outcome:
+    """R8: `load_checkpoint(run)` (what evaluate and resume do first) in a loop while the run
+    saves a checkpoint every epoch."""
+    run_dir = tmp_path_factory.mktemp("read-beside") / "run"
+    process = start(small("data.train_size=64", "data.test_size=32", f"epochs={SAVES}"), run_dir)
+    steps_read = []
+    while process.poll() is None:
+        if (run_dir / CHECKPOINT).is_file():
+            steps_read.append(load_checkpoint(str(run_dir))[1]["step"])  # never unreadable, never refused
+        else:
+            time.sleep(0.01)
+    return finish(process, run_dir, steps_read=steps_read)
+
+
+# ---------------------------------------------------------------------------- what else must hold
+
+
+def reads_spanned_the_saves(outcome: Outcome) -> None:
+    assert len(set(outcome.facts["steps_read"])) >= 2, outcome.facts  # reads saw several saves
+
+
+ROWS = {
+    "R8-reader-beside-saves": Row(
+        "reads_beside_saves",
+        0,
+        metrics={"status": "completed", "epochs": SAVES},
+        check=reads_spanned_the_saves,
+    ),
+}
+
+
+@pytest.mark.parametrize("row", ROWS.values(), ids=ROWS.keys())
+def test_fault(row: Row, request):
+    fixture, _, key = row.probe.partition(":")
+    outcome = request.getfixturevalue(fixture)
+    outcome = outcome[key] if key else outcome
+    output = outcome.stdout + outcome.stderr
+
+    assert outcome.returncode == row.exit_code, output[-3000:]
+    assert "Traceback" not in output
+    if row.error:
+        last = lines(outcome.stderr)[-1]
+        for fragment in row.error:
+            assert fragment.format(run=outcome.run_dir, **outcome.facts) in last
+    if row.metrics:
+        metrics = json.loads((outcome.run_dir / METRICS).read_text())
+        assert {key: metrics.get(key) for key in row.metrics} == row.metrics
+    assert list(outcome.run_dir.rglob("*.tmp")) == []
+    if row.check:
+        row.check(outcome)
