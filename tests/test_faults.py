@@ -12,6 +12,8 @@ decode cache) have their own table in test_faults_inputs.py.
 from __future__ import annotations
 
 import json
+import resource
+import shutil
 import subprocess
 import sys
 import time
@@ -20,10 +22,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from conftest import SMALL, cli_environment
+from conftest import SMALL, cli_environment, compose_config, run_cli
 
+from trainer import Trainer
 from trainer.checkpoint import CHECKPOINT, load_checkpoint
-from trainer.logging import METRICS
+from trainer.config import TrainerError
+from trainer.logging import METRICS, RunLog
 
 SAVES = 8  # R8: checkpoints the reader reads beside
 
@@ -95,11 +99,56 @@ def reads_beside_saves(tmp_path_factory) -> Outcome:
     return finish(process, run_dir, steps_read=steps_read)
 
 
+@pytest.fixture(scope="module")
+def metrics_on_a_full_disk(tmp_path_factory) -> Outcome:
+    """R6: the disk is full (a 64-byte file-size limit) when the second epoch's metrics.json
+    is written; the limit stays for the rest of the run, its failure record included."""
+    run_dir = tmp_path_factory.mktemp("full-metrics") / "run"
+    write_metrics, found = RunLog.metrics, []  # metrics.json as each write finds it
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+
+    def second_write_meets_a_full_disk(self, data):
+        path = self.run_dir / METRICS
+        found.append(path.read_text() if path.exists() else None)
+        if len(found) == 2:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (64, limits[1]))
+        write_metrics(self, data)
+
+    error = ""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(RunLog, "metrics", second_write_meets_a_full_disk)
+        try:
+            Trainer(compose_config("epochs=3", "data.train_size=64"), run_dir).fit()
+        except TrainerError as raised:
+            error = str(raised)
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+    return Outcome(run_dir, stderr=error, facts={"previous": found[1]})
+
+
+@pytest.fixture(scope="module")
+def evaluation_on_a_full_disk(tmp_path_factory, finished_run) -> Outcome:
+    """R6: `python -m trainer.evaluate RUN` where evaluation.json cannot grow past 64 bytes."""
+    run_dir = tmp_path_factory.mktemp("full-evaluation") / "run"
+    shutil.copytree(finished_run, run_dir)
+    previous = json.dumps({"test_acc": 0.5}) + "\n"
+    (run_dir / "evaluation.json").write_text(previous)
+    result = run_cli(str(run_dir), cwd=run_dir.parent, module="trainer.evaluate", file_size_limit=64)
+    return Outcome(run_dir, result.returncode, result.stdout, result.stderr, {"previous": previous})
+
+
 # ---------------------------------------------------------------------------- what else must hold
 
 
 def reads_spanned_the_saves(outcome: Outcome) -> None:
     assert len(set(outcome.facts["steps_read"])) >= 2, outcome.facts  # reads saw several saves
+
+
+def previous_file_intact(name: str) -> Callable[[Outcome], None]:
+    def check(outcome: Outcome) -> None:
+        assert (outcome.run_dir / name).read_text() == outcome.facts["previous"]
+
+    return check
 
 
 ROWS = {
@@ -108,6 +157,24 @@ ROWS = {
         0,
         metrics={"status": "completed", "epochs": SAVES},
         check=reads_spanned_the_saves,
+    ),
+    "R6-metrics-json-full-disk": Row(
+        "metrics_on_a_full_disk",
+        None,
+        (
+            "could not write the run record {run}/metrics.json (File too large)",
+            "earlier metrics.json there is kept",
+        ),
+        check=previous_file_intact(METRICS),
+    ),
+    "R6-evaluation-json-full-disk": Row(
+        "evaluation_on_a_full_disk",
+        1,
+        (
+            "evaluate: error: could not write the evaluation {run}/evaluation.json (File too large)",
+            "ulimit -f",
+        ),
+        check=previous_file_intact("evaluation.json"),
     ),
 }
 

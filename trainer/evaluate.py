@@ -22,6 +22,7 @@ from trainer.config import ExportFormat, TrainConfig, TrainerError, to_train_con
 
 log = logging.getLogger("trainer.evaluate")
 EVALUATION = "evaluation.json"
+ROOM = "free disk space or raise the file-size limit (ulimit -f)"  # where evaluation.json cannot be written
 
 
 def checkpoint_file(run: str) -> Path:
@@ -109,7 +110,7 @@ def evaluate_run(run: str, overrides: list[str], export: ExportFormat = ExportFo
     }
     if export is not ExportFormat.none:
         result["export"] = str(export_model(model, export, folder))
-    write_json_atomic(folder / EVALUATION, result)
+    write_json_atomic(folder / EVALUATION, result, "the evaluation", fix=ROOM)
     return result
 
 

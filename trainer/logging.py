@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 
 from tqdm import tqdm
+
+from trainer.atomic import RUN_FOLDER_FIX, write_atomic
 
 METRICS = "metrics.json"
 FINAL_METRICS = (
@@ -34,10 +35,11 @@ class BelowLevel(logging.Filter):
         return record.levelno < self.level
 
 
-def write_json_atomic(path: Path, data: dict) -> None:
-    temporary = path.with_name(path.name + ".tmp")
-    temporary.write_text(json.dumps(data, indent=2, default=str) + "\n")
-    os.replace(temporary, path)
+def write_json_atomic(
+    path: Path, data: dict, what: str = "the run record", fix: str = RUN_FOLDER_FIX
+) -> None:
+    """All or nothing (trainer.atomic): NotWritten in one line when the disk refuses."""
+    write_atomic(path, (json.dumps(data, indent=2, default=str) + "\n").encode(), what, fix)
 
 
 def read_metrics(run_dir: Path) -> dict:

@@ -25,6 +25,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from trainer import checkpoint, distributed, evaluation, mfu, perf
+from trainer.atomic import NotWritten
 from trainer.config import (
     ConfigError,
     ExportFormat,
@@ -111,10 +112,11 @@ class Trainer:
         try:
             return cls(cfg, run_dir, overrides=overrides)
         except TrainerError as error:
-            write_json_atomic(
-                Path(run_dir) / "metrics.json",
-                {"status": "failed", "error": str(error), "overrides": overrides},
-            )
+            with contextlib.suppress(NotWritten):  # a full disk: the error itself is what to report
+                write_json_atomic(
+                    Path(run_dir) / "metrics.json",
+                    {"status": "failed", "error": str(error), "overrides": overrides},
+                )
             raise
 
     def fit(self) -> dict:
@@ -553,8 +555,8 @@ class Trainer:
             self.status = "failed"
         summary = self.summary()
         summary["error"] = str(error).splitlines()[0] if str(error) else type(error).__name__
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(self.run_dir / "metrics.json", summary)
+        with contextlib.suppress(NotWritten):  # a full disk: the last record stays, the error is raised
+            write_json_atomic(self.run_dir / "metrics.json", summary)
 
 
 def _fmt(value: float | None) -> str:
