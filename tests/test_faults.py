@@ -14,10 +14,13 @@ from __future__ import annotations
 import json
 import resource
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,6 +32,7 @@ from trainer.checkpoint import CHECKPOINT, load_checkpoint
 from trainer.config import TrainerError
 from trainer.logging import METRICS, RunLog
 
+LONG = "epochs=1000"  # a run that goes on until the probe stops it
 SAVES = 8  # R8: checkpoints the reader reads beside
 
 
@@ -77,6 +81,24 @@ def finish(process: subprocess.Popen, run_dir: Path, **facts) -> Outcome:
     return Outcome(run_dir, process.returncode, output["stdout"], output["stderr"], facts)
 
 
+def wait_for_epoch(process: subprocess.Popen, run_dir: Path) -> None:
+    """Until the run has recorded (and checkpointed) its first epoch."""
+    deadline = time.monotonic() + 240  # generous: only a hung run gets near it
+    while time.monotonic() < deadline and process.poll() is None:
+        metrics = run_dir / METRICS
+        if metrics.is_file() and json.loads(metrics.read_text()).get("epochs", 0) >= 1:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"no epoch recorded in {run_dir} (exit code {process.poll()})")
+
+
+def ended_process() -> int:
+    """The pid of a process of this host that has ended."""
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()
+    return process.pid
+
+
 def lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.strip()]
 
@@ -97,6 +119,39 @@ def reads_beside_saves(tmp_path_factory) -> Outcome:
         else:
             time.sleep(0.01)
     return finish(process, run_dir, steps_read=steps_read)
+
+
+@pytest.fixture(scope="module")
+def live_folder(tmp_path_factory) -> dict[str, Outcome]:
+    """R7: a folder left locked by a run that was killed is taken over by a new run; while that
+    one trains, a second run, a resume into it and a Trainer from Python are refused."""
+    folder = tmp_path_factory.mktemp("live") / "run"
+    folder.mkdir()
+    stale = ended_process()
+    (folder / "run.lock").write_text(json.dumps({"pid": stale, "host": socket.gethostname()}))
+    live = start(small(LONG, "seed=1"), folder)
+    wait_for_epoch(live, folder)
+    hydra_files = {path.name: path.read_bytes() for path in (folder / ".hydra").iterdir()}
+    facts = {"owner": live.pid, "host": socket.gethostname(), "stale": stale}
+
+    def refused(*args: str) -> Outcome:
+        result = run_cli(*small(*args), f"hydra.run.dir={folder}", cwd=folder.parent)
+        return Outcome(folder, result.returncode, result.stdout, result.stderr)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:  # as `for s in 1 2 3; do ... & done` starts them
+        second, resume = pool.map(lambda args: refused(*args), [("seed=2",), (LONG, f"resume={folder}")])
+    try:
+        Trainer(compose_config("seed=3"), folder).fit()
+        from_python = Outcome(folder)
+    except TrainerError as error:
+        from_python = Outcome(folder, stderr=str(error))
+    untouched = {path.name: path.read_bytes() for path in (folder / ".hydra").iterdir()} == hydra_files
+    live.send_signal(signal.SIGTERM)
+    outcomes = {"second": second, "resume": resume, "python": from_python}
+    for outcome in outcomes.values():
+        outcome.facts = {**facts, "hydra_untouched": untouched}
+    outcomes["live"] = finish(live, folder, **facts)
+    return outcomes
 
 
 @pytest.fixture(scope="module")
@@ -144,6 +199,22 @@ def reads_spanned_the_saves(outcome: Outcome) -> None:
     assert len(set(outcome.facts["steps_read"])) >= 2, outcome.facts  # reads saw several saves
 
 
+def live_run_untouched(outcome: Outcome) -> None:
+    assert outcome.facts["hydra_untouched"]  # its .hydra/ config is the live run's, not the refused one's
+    writers = {path.name.split(".")[-2] for path in (outcome.run_dir / "tb").glob("events.*")}
+    assert writers == {str(outcome.facts["owner"])}  # events.out.tfevents.<time>.<host>.<pid>.<n>
+    assert "in use" not in (outcome.run_dir / "__main__.log").read_text()  # nor its log
+
+
+def stale_lock_taken_over(outcome: Outcome) -> None:
+    takeover = (
+        f"was left locked by pid {outcome.facts['stale']} on host {outcome.facts['host']}, which has ended"
+    )
+    assert takeover in outcome.stderr
+    assert json.loads((outcome.run_dir / METRICS).read_text())["overrides"][-2:] == [LONG, "seed=1"]
+    assert not (outcome.run_dir / "run.lock").exists()  # let go when the run ended
+
+
 def previous_file_intact(name: str) -> Callable[[Outcome], None]:
     def check(outcome: Outcome) -> None:
         assert (outcome.run_dir / name).read_text() == outcome.facts["previous"]
@@ -157,6 +228,24 @@ ROWS = {
         0,
         metrics={"status": "completed", "epochs": SAVES},
         check=reads_spanned_the_saves,
+    ),
+    "R7-second-run-into-live-folder": Row(
+        "live_folder:second",
+        1,
+        ("trainer: error: run folder {run} is in use by pid {owner} on host {host}", "hydra.run.dir="),
+        check=live_run_untouched,
+    ),
+    "R7-resume-into-live-folder": Row(
+        "live_folder:resume",
+        1,
+        ("trainer: error: run folder {run} is in use by pid {owner} on host {host}",),
+        check=live_run_untouched,
+    ),
+    "R7-python-trainer-into-live-folder": Row(
+        "live_folder:python", None, ("run folder {run} is in use by pid {owner} on host {host}",)
+    ),
+    "R7-stale-lock-taken-over": Row(
+        "live_folder:live", 130, metrics={"status": "interrupted"}, check=stale_lock_taken_over
     ),
     "R6-metrics-json-full-disk": Row(
         "metrics_on_a_full_disk",

@@ -24,7 +24,7 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from trainer import checkpoint, distributed, evaluation, mfu, perf
+from trainer import checkpoint, distributed, evaluation, mfu, perf, run_lock
 from trainer.atomic import NotWritten
 from trainer.config import (
     ConfigError,
@@ -121,6 +121,11 @@ class Trainer:
 
     def fit(self) -> dict:
         """Train, evaluate, checkpoint; return the final metrics (also in metrics.json)."""
+        # The process that starts the run owns its folder; ranks it launched run inside that.
+        with run_lock.owned(self.run_dir) if self.ranks is None else contextlib.nullcontext():
+            return self._fit_or_record_failure()
+
+    def _fit_or_record_failure(self) -> dict:
         try:
             if self.cfg.ddp and self.ranks is None and distributed.started_by_torchrun():
                 self.ranks = distributed.torchrun_ranks()
