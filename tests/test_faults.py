@@ -12,6 +12,7 @@ decode cache) have their own table in test_faults_inputs.py.
 from __future__ import annotations
 
 import json
+import os
 import resource
 import shutil
 import signal
@@ -26,12 +27,15 @@ from pathlib import Path
 
 import pytest
 from conftest import SMALL, cli_environment, compose_config, run_cli
+from test_ddp import launched_ranks
 
 from trainer import Trainer
 from trainer.checkpoint import CHECKPOINT, load_checkpoint
 from trainer.config import TrainerError
 from trainer.logging import METRICS, RunLog
 
+DDP = ["ddp=true", "devices=2"]
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # two ranks on two cores
 LONG = "epochs=1000"  # a run that goes on until the probe stops it
 SAVES = 8  # R8: checkpoints the reader reads beside
 
@@ -192,6 +196,18 @@ def evaluation_on_a_full_disk(tmp_path_factory, finished_run) -> Outcome:
     return Outcome(run_dir, result.returncode, result.stdout, result.stderr, {"previous": previous})
 
 
+@pytest.fixture(scope="module")
+def killed_rank(tmp_path_factory) -> Outcome:
+    """R1: kill -9 of rank 1 once epoch 1 is recorded, without restarts (ddp_max_restarts=0).
+    Elastic reports it as it reports any failed rank (the issue's `optim.lr=1e9` too): a
+    ProcessExitedException traceback."""
+    run_dir = tmp_path_factory.mktemp("killed-rank") / "run"
+    launcher = start([*small(LONG, "log_every=1"), *DDP, "ddp_max_restarts=0"], run_dir, ONE_THREAD)
+    wait_for_epoch(launcher, run_dir)
+    os.kill(launched_ranks(launcher.pid)[-1], signal.SIGKILL)
+    return finish(launcher, run_dir)
+
+
 # ---------------------------------------------------------------------------- what else must hold
 
 
@@ -220,6 +236,17 @@ def previous_file_intact(name: str) -> Callable[[Outcome], None]:
         assert (outcome.run_dir / name).read_text() == outcome.facts["previous"]
 
     return check
+
+
+def one_line_and_the_traceback_in_the_rank_log(outcome: Outcome) -> None:
+    assert len(lines(outcome.stderr)) == 1  # the error; elastic's report went to the rank's file
+    assert "ProcessExitedException: process 1 terminated" in (outcome.run_dir / "rank1.log").read_text()
+    assert not (outcome.run_dir / "run.lock").exists()
+
+
+def progress_on_stdout(outcome: Outcome) -> None:
+    assert "epoch 1/1000" in outcome.stdout and "peak lr" in outcome.stdout
+    assert "[INFO]" not in outcome.stderr  # warnings and errors only, as in a single run
 
 
 ROWS = {
@@ -265,6 +292,13 @@ ROWS = {
         ),
         check=previous_file_intact("evaluation.json"),
     ),
+    "R1-failing-rank-one-line": Row(
+        "killed_rank",
+        1,
+        ("[ERROR] - rank 1 failed: Signal 9 (SIGKILL)",),
+        check=one_line_and_the_traceback_in_the_rank_log,
+    ),
+    "minor-ddp-rank0-progress-on-stdout": Row("killed_rank", 1, check=progress_on_stdout),
 }
 
 

@@ -9,6 +9,7 @@ period), so no process outlives the run; with restarts the group starts again in
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -21,11 +22,13 @@ import uuid
 from collections.abc import Callable
 from contextlib import closing
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from trainer.config import ConfigError, DdpBackend, TrainConfig, TrainerError
+from trainer.logging import elastic_logs_to
 from trainer.torchrun_env import started_by_torchrun  # noqa: F401 - part of this module's interface
 
 log = logging.getLogger(__name__)
@@ -130,12 +133,15 @@ def restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
-def launch(world_size: int, target: Callable, args: tuple, max_restarts: int = 0) -> object:
+def launch(
+    world_size: int, target: Callable, args: tuple, max_restarts: int = 0, log_dir: Path | None = None
+) -> object:
     """Run target(ranks, *args) in `world_size` processes on this host; return rank 0's result.
 
     A rank that dies restarts the whole group up to `max_restarts` times (the target sees
     restart_count() > 0). SIGINT/SIGTERM to this process reach the ranks, which stop at a step
-    and save; then LaunchStopped is raised here.
+    and save; then LaunchStopped is raised here. With `log_dir`, what the elastic agent logs
+    (a failed rank's traceback) goes to the ranks' log files there instead of the terminal.
     """
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -166,7 +172,8 @@ def launch(world_size: int, target: Callable, args: tuple, max_restarts: int = 0
     shared_store = os.environ.get(UNSHARED_STORE)
     os.environ[UNSHARED_STORE] = "1"
     try:
-        return elastic_launch(config, _elastic_worker)(target, args)[0]
+        with elastic_logs_to(log_dir) if log_dir is not None else contextlib.nullcontext():
+            return elastic_launch(config, _elastic_worker)(target, args)[0]
     except ChildFailedError as error:
         if all(failure.exitcode == STOPPED_EXIT_CODE for failure in error.failures.values()):
             raise LaunchStopped("the ranks stopped at a step, as asked") from None

@@ -148,7 +148,9 @@ class Trainer:
         log.info("ddp: launching %d processes (%s)", world_size, device_type)
         arguments = (self.config, str(self.run_dir), self.overrides)
         try:
-            metrics = distributed.launch(world_size, _fit_rank, arguments, self.cfg.ddp_max_restarts)
+            metrics = distributed.launch(
+                world_size, _fit_rank, arguments, self.cfg.ddp_max_restarts, log_dir=self.run_dir
+            )
         except distributed.LaunchStopped:
             metrics = read_metrics(self.run_dir)  # rank 0's, written as it stopped and saved
             if metrics.get("status") != "interrupted":
