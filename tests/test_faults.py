@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import SMALL, cli_environment, compose_config, run_cli
 from test_ddp import launched_ranks
 
@@ -198,9 +199,9 @@ def evaluation_on_a_full_disk(tmp_path_factory, finished_run) -> Outcome:
 
 @pytest.fixture(scope="module")
 def killed_rank(tmp_path_factory) -> Outcome:
-    """R1: kill -9 of rank 1 once epoch 1 is recorded, without restarts (ddp_max_restarts=0).
-    Elastic reports it as it reports any failed rank (the issue's `optim.lr=1e9` too): a
-    ProcessExitedException traceback."""
+    """R2 and R1: kill -9 of rank 1 once epoch 1 is recorded, without restarts
+    (ddp_max_restarts=0). Elastic reports it as it reports any failed rank (the issue's
+    `optim.lr=1e9` too): a ProcessExitedException traceback."""
     run_dir = tmp_path_factory.mktemp("killed-rank") / "run"
     launcher = start([*small(LONG, "log_every=1"), *DDP, "ddp_max_restarts=0"], run_dir, ONE_THREAD)
     wait_for_epoch(launcher, run_dir)
@@ -236,6 +237,13 @@ def previous_file_intact(name: str) -> Callable[[Outcome], None]:
         assert (outcome.run_dir / name).read_text() == outcome.facts["previous"]
 
     return check
+
+
+def rank_zero_history_kept(outcome: Outcome) -> None:
+    metrics = json.loads((outcome.run_dir / METRICS).read_text())
+    saved = torch.load(outcome.run_dir / CHECKPOINT, weights_only=False)
+    assert metrics["epochs"] == len(metrics["history"]) >= 1
+    assert metrics["steps"] == saved["step"] >= 4  # the last epoch's record, as last.pt holds it
 
 
 def one_line_and_the_traceback_in_the_rank_log(outcome: Outcome) -> None:
@@ -291,6 +299,13 @@ ROWS = {
             "ulimit -f",
         ),
         check=previous_file_intact("evaluation.json"),
+    ),
+    "R2-rank-killed-after-epoch-1": Row(
+        "killed_rank",
+        1,
+        ("[ERROR] - rank 1 failed: Signal 9 (SIGKILL)",),
+        metrics={"status": "failed", "failed_rank": 1},
+        check=rank_zero_history_kept,
     ),
     "R1-failing-rank-one-line": Row(
         "killed_rank",

@@ -51,7 +51,9 @@ class Ranks:
 
 
 class WorkerFailed(TrainerError):
-    pass
+    def __init__(self, rank: int, reason: str):
+        super().__init__(f"rank {rank} failed: {reason}")
+        self.rank = rank
 
 
 class LaunchStopped(TrainerError):
@@ -177,8 +179,7 @@ def launch(
     except ChildFailedError as error:
         if all(failure.exitcode == STOPPED_EXIT_CODE for failure in error.failures.values()):
             raise LaunchStopped("the ranks stopped at a step, as asked") from None
-        rank, message = _cause(error)
-        raise WorkerFailed(f"rank {rank} failed: {message}") from None
+        raise WorkerFailed(*_cause(error)) from None
     except SignalException as stop:
         raise LaunchStopped(f"stopped by {stop.sigval.name}") from None
     finally:

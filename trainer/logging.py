@@ -49,10 +49,12 @@ def write_json_atomic(
     write_atomic(path, (json.dumps(data, indent=2, default=str) + "\n").encode(), what, fix)
 
 
-def read_metrics(run_dir: Path) -> dict:
-    """A run folder's metrics.json ({} when it has none)."""
+def read_metrics(run_dir: Path, since: float | None = None) -> dict:
+    """A run folder's metrics.json ({} when it has none, or none written after time `since`)."""
     path = Path(run_dir) / METRICS
-    return json.loads(path.read_text()) if path.is_file() else {}
+    if not path.is_file() or (since is not None and path.stat().st_mtime < since):
+        return {}
+    return json.loads(path.read_text())
 
 
 def flatten(config: dict, prefix: str = "") -> dict:

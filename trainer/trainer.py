@@ -101,6 +101,7 @@ class Trainer:
         self.resumed_from: str | None = None
         self.lr_peak: float | None = None  # set by build: optim.lr scaled to the global batch
         self.exported: str | None = None  # the inference model's file, once written
+        self.ranks_record: dict = {}  # a launcher's: rank 0's metrics.json when the ranks failed
         self.built = False
 
     # ------------------------------------------------------------------ entry points
@@ -147,6 +148,7 @@ class Trainer:
         world_size = distributed.world_size_for(self.cfg, device_type)
         log.info("ddp: launching %d processes (%s)", world_size, device_type)
         arguments = (self.config, str(self.run_dir), self.overrides)
+        launched = time.time()
         try:
             metrics = distributed.launch(
                 world_size, _fit_rank, arguments, self.cfg.ddp_max_restarts, log_dir=self.run_dir
@@ -155,6 +157,9 @@ class Trainer:
             metrics = read_metrics(self.run_dir)  # rank 0's, written as it stopped and saved
             if metrics.get("status") != "interrupted":
                 raise
+        except distributed.WorkerFailed:
+            self.ranks_record = read_metrics(self.run_dir, since=launched)  # the failure record keeps it
+            raise
         self.status = metrics["status"]
         return metrics
 
@@ -560,8 +565,11 @@ class Trainer:
             self.status = "interrupted"
         else:
             self.status = "failed"
-        summary = self.summary()
+        # A launcher's own summary is empty: rank 0's record holds the run's progress.
+        summary = {**self.summary(), **self.ranks_record, "status": self.status}
         summary["error"] = str(error).splitlines()[0] if str(error) else type(error).__name__
+        if isinstance(error, distributed.WorkerFailed):
+            summary["failed_rank"] = error.rank
         with contextlib.suppress(NotWritten):  # a full disk: the last record stays, the error is raised
             write_json_atomic(self.run_dir / "metrics.json", summary)
 
