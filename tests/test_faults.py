@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import shutil
 import signal
@@ -209,6 +210,16 @@ def killed_rank(tmp_path_factory) -> Outcome:
     return finish(launcher, run_dir)
 
 
+@pytest.fixture(scope="module")
+def stopped_ddp_run(tmp_path_factory) -> Outcome:
+    """Minor: SIGTERM to a DDP run in epochs of 32 steps with log_every far beyond them."""
+    run_dir = tmp_path_factory.mktemp("stopped-ddp") / "run"
+    launcher = start([*small(LONG, "data.train_size=2048", "log_every=1000"), *DDP], run_dir, ONE_THREAD)
+    wait_for_epoch(launcher, run_dir)
+    launcher.send_signal(signal.SIGTERM)
+    return finish(launcher, run_dir)
+
+
 # ---------------------------------------------------------------------------- what else must hold
 
 
@@ -250,6 +261,13 @@ def one_line_and_the_traceback_in_the_rank_log(outcome: Outcome) -> None:
     assert len(lines(outcome.stderr)) == 1  # the error; elastic's report went to the rank's file
     assert "ProcessExitedException: process 1 terminated" in (outcome.run_dir / "rank1.log").read_text()
     assert not (outcome.run_dir / "run.lock").exists()
+
+
+def stopped_within_two_steps(outcome: Outcome) -> None:
+    stop = re.search(r"stopped by SIGTERM at step (\d+) \(asked at step (\d+)\)", outcome.stderr)
+    assert stop, outcome.stderr
+    stopped, asked = map(int, stop.groups())
+    assert 0 <= stopped - asked <= 2  # log_every=1000 and 32 steps an epoch: not at either
 
 
 def progress_on_stdout(outcome: Outcome) -> None:
@@ -312,6 +330,9 @@ ROWS = {
         1,
         ("[ERROR] - rank 1 failed: Signal 9 (SIGKILL)",),
         check=one_line_and_the_traceback_in_the_rank_log,
+    ),
+    "minor-ddp-sigterm-within-two-steps": Row(
+        "stopped_ddp_run", 130, metrics={"status": "interrupted"}, check=stopped_within_two_steps
     ),
     "minor-ddp-rank0-progress-on-stdout": Row("killed_rank", 1, check=progress_on_stdout),
 }

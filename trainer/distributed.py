@@ -115,6 +115,37 @@ def all_reduce_sum(tensor: torch.Tensor, ranks: Ranks) -> torch.Tensor:
     return tensor
 
 
+class StopVote:
+    """Whether any rank has been asked to stop, answered alike on every rank at the same step.
+
+    Each poll sends this rank's request, without waiting, on a gloo group of its own (CPU
+    tensors: no device sync, whatever the backend) and returns the previous poll's sum: a
+    step's work never waits for the vote, and a stop lands one step after it was asked.
+    """
+
+    def __init__(self, ranks: Ranks):
+        self.group = dist.new_group(backend="gloo") if ranks.world_size > 1 else None
+        self.pending: tuple | None = None
+
+    def poll(self, requested: bool) -> bool:
+        if self.group is None:
+            return requested
+        agreed = False
+        if self.pending is not None:
+            work, votes = self.pending
+            work.wait()
+            agreed = votes.item() > 0
+        votes = torch.tensor([1.0 if requested else 0.0])
+        self.pending = (dist.all_reduce(votes, group=self.group, async_op=True), votes)
+        return agreed
+
+    def close(self) -> None:
+        """Wait for the last vote (every rank sent it), before the group can go."""
+        if self.pending is not None:
+            self.pending[0].wait()
+            self.pending = None
+
+
 def _elastic_worker(target: Callable, args: tuple) -> object:
     """One rank, started by the elastic agent (which set RANK, WORLD_SIZE, LOCAL_RANK, ...)."""
     ranks = torchrun_ranks()

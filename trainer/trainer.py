@@ -96,7 +96,9 @@ class Trainer:
         self.status = "running"
         self.progress = Progress()
         self.mfu = mfu.Meter()  # nothing counted before build
-        self.stop_signal: str | None = None
+        self.stop_signal: str | None = None  # a stop every rank agreed on
+        self.stop_requested: str | None = None  # the signal this process got
+        self.stop_asked_at: int | None = None  # the step it came at
         self.device: torch.device | None = None
         self.resumed_from: str | None = None
         self.lr_peak: float | None = None  # set by build: optim.lr scaled to the global batch
@@ -273,7 +275,7 @@ class Trainer:
         self.zero_grad = perf.zero_grad(cfg, self.optimizer)
         self.synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         self.timer = data_wait_timer(cfg.measure_data_wait, device.type)
-        self.stop_check_every = 1 if ranks.world_size == 1 else cfg.log_every
+        self.stop_vote = distributed.StopVote(ranks)
 
         if resume is not None:
             self._restore(*resume)
@@ -303,7 +305,7 @@ class Trainer:
         while (
             self.progress.epoch < cfg.epochs
             and self.progress.step < self.total_steps
-            and not self.stop_signal
+            and not self._stop_agreed()
         ):
             record = self._train_epoch()
             if self.stop_signal and self.progress.batch_in_epoch < self.batches_per_epoch:  # inside the epoch
@@ -323,13 +325,15 @@ class Trainer:
             self._save_checkpoint()
             self.run_log.metrics(self.summary())
             epochs_run += 1
+        self.stop_vote.close()
         if self.stop_signal:
             self.status = "interrupted"
             self._save_checkpoint()
             log.warning(
-                "stopped by %s at step %d; checkpoint saved. Continue with resume=%s",
+                "stopped by %s at step %d%s; checkpoint saved. Continue with resume=%s",
                 self.stop_signal,
                 self.progress.step,
+                "" if self.stop_asked_at is None else f" (asked at step {self.stop_asked_at})",
                 self.run_dir,
             )
         else:
@@ -406,9 +410,7 @@ class Trainer:
                 loss_total += self._log_window(window, progress, time.perf_counter() - window_started)
                 micro_batches += len(window)
                 window, window_started = [], time.perf_counter()
-            if self.progress.step >= self.total_steps or (
-                self.progress.step % self.stop_check_every == 0 and self._stop_agreed()
-            ):
+            if self.progress.step >= self.total_steps or self._stop_agreed():
                 break
         if window:
             loss_total += self._log_window(window, progress, time.perf_counter() - window_started)
@@ -488,7 +490,8 @@ class Trainer:
 
     def _catch_stop_signals(self) -> dict:
         def request_stop(signum, _frame):
-            self.stop_signal = signal.Signals(signum).name
+            self.stop_requested = signal.Signals(signum).name
+            self.stop_asked_at = self.progress.step
 
         previous = {}
         with contextlib.suppress(ValueError):  # signals can only be caught in the main thread
@@ -497,12 +500,10 @@ class Trainer:
         return previous
 
     def _stop_agreed(self) -> bool:
-        """Every rank stops at the same step: a stop asked of any rank is shared."""
-        if self.ranks.world_size == 1:
-            return self.stop_signal is not None
-        flag = torch.tensor([1.0 if self.stop_signal else 0.0], device=self.device)
-        if distributed.all_reduce_sum(flag, self.ranks).item() > 0:
-            self.stop_signal = self.stop_signal or "a stop on another rank"
+        """Every rank stops at the same step: a stop asked of any rank is shared (under DDP a
+        step later, so that no step waits for the vote)."""
+        if not self.stop_signal and self.stop_vote.poll(self.stop_requested is not None):
+            self.stop_signal = self.stop_requested or "a stop on another rank"
         return self.stop_signal is not None
 
     def _stateful(self) -> dict:
