@@ -46,17 +46,23 @@ def cli_environment(env: dict | None = None) -> dict:
 
 
 def run_cli(
-    *args: str, cwd: Path, timeout: float = 240, env: dict | None = None, file_size_limit: int | None = None
+    *args: str,
+    cwd: Path,
+    timeout: float = 240,
+    env: dict | None = None,
+    file_size_limit: int | None = None,
+    module: str = "trainer",
 ) -> subprocess.CompletedProcess:
-    """`python -m trainer ARGS` in a subprocess (output folders land under cwd/outputs); no file
-    it writes may grow past file_size_limit bytes, when given (as with `ulimit -f`)."""
+    """`python -m trainer ARGS` (or another `module`) in a subprocess (output folders land under
+    cwd/outputs); no file it writes may grow past file_size_limit bytes, when given (as with
+    `ulimit -f`)."""
 
     def limit_file_size() -> None:
         _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
         resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, hard))
 
     return subprocess.run(
-        [sys.executable, "-m", "trainer", *args],
+        [sys.executable, "-m", module, *args],
         cwd=cwd,
         env=cli_environment(env),
         capture_output=True,
