@@ -27,17 +27,25 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import os
-import statistics
-import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # the trainer of this checkout, for the runner and for every row
+
+from trainer.trials import (  # noqa: E402
+    environment,
+    fmt,
+    median_and_spread,
+    repeat,
+    run_trial,
+    spread,
+    steady_numbers,
+    trainer_command,
+)
 
 
 @dataclass
@@ -131,77 +139,34 @@ SECTIONS: dict[str, list[Row]] = {
 SYNTHETIC = ["data=synthetic", "data.train_size=50000", "data.test_size=10000"]
 
 
+def command(row: Row, data: list[str], model: str, epochs: int, run_dir: Path) -> list[str]:
+    """The row's process: the trainer, or its hand-written peer, at the same settings."""
+    if row.handwritten is None:
+        overrides = [f"model={model}", *data, "log_every=100", f"epochs={epochs}", f"eval_every={epochs}"]
+        return trainer_command([*overrides, *row.trainer], run_dir)
+    peer = [sys.executable, str(REPO / "scripts" / "handwritten_loop.py"), *row.handwritten]
+    peer += ["--model", model, "--epochs", str(epochs), "--out", str(run_dir)]
+    root = next((item.split("=", 1)[1] for item in data if item.startswith("data.root=")), None)
+    return peer + (["--data-root", root] if root else [])
+
+
 def run_once(row: Row, data: list[str], model: str, epochs: int, run_dir: Path, timeout_s: float) -> dict:
     """One process; its images/s (median over the epochs after the first), or why it failed."""
-    if row.handwritten is not None:
-        command = [sys.executable, str(REPO / "scripts" / "handwritten_loop.py"), *row.handwritten]
-        command += ["--model", model, "--epochs", str(epochs), "--out", str(run_dir)]
-        root = next((item.split("=", 1)[1] for item in data if item.startswith("data.root=")), None)
-        command += ["--data-root", root] if root else []
-    else:
-        command = [sys.executable, "-m", "trainer", f"model={model}", *data, "log_every=100"]
-        command += [f"epochs={epochs}", f"eval_every={epochs}", *row.trainer, f"hydra.run.dir={run_dir}"]
-    try:
-        result = subprocess.run(
-            command,
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=timeout_s,
-            env={**os.environ, "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}"},
-        )
-    except subprocess.TimeoutExpired:
-        return {"status": f"timed out after {timeout_s:.0f} s"}
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "output.log").write_text(result.stdout + result.stderr)
-    metrics_file = run_dir / "metrics.json"
-    if result.returncode != 0 or not metrics_file.exists():
-        tail = (result.stderr or result.stdout).strip().splitlines()[-1:] or ["?"]
-        return {"status": f"failed: {tail[0][:120]}"}
-    metrics = json.loads(metrics_file.read_text())
-    timed = metrics["history"][1:] or metrics["history"]
-    waits = [r["data_wait_frac"] for r in timed if r.get("data_wait_frac") is not None]
-    return {
-        "status": metrics["status"],
-        "img_per_s": statistics.median(r["img_per_s"] for r in timed),
-        "peak_mem_mb": metrics.get("peak_mem_mb"),
-        "data_wait_frac": statistics.median(waits) if waits else None,
-        "test_acc": metrics.get("test_acc"),
-    }
+    env = {**os.environ, "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}"}
+    trial = run_trial(command(row, data, model, epochs, run_dir), run_dir, timeout_s, cwd=REPO, env=env)
+    return steady_numbers(trial)
 
 
 def run_row(section: str, row: Row, args, data: list[str], out: Path) -> dict:
-    runs = []
-    for repeat in range(args.repeats):
-        slug = "".join(c if c.isalnum() else "-" for c in row.name).strip("-")
-        run_dir = out / section / f"{slug}-{repeat}"
-        started = time.perf_counter()
-        runs.append(run_once(row, data, args.model, args.epochs, run_dir, args.row_timeout))
-        rate = runs[-1].get("img_per_s")
-        print(
-            f"  {section} | {row.name} | run {repeat + 1}: {fmt(rate, ',.0f')} img/s "
-            f"({runs[-1]['status']}, {time.perf_counter() - started:.0f} s)",
-            flush=True,
+    slug = "".join(c if c.isalnum() else "-" for c in row.name).strip("-")
+
+    def run(index: int) -> dict:
+        return run_once(
+            row, data, args.model, args.epochs, out / section / f"{slug}-{index}", args.row_timeout
         )
-    done = [run for run in runs if "img_per_s" in run]
-    result = {"section": section, "row": row.name, "settings": row.describe(), "runs": len(done)}
-    if not done:
-        return {**result, "status": runs[-1]["status"]}
-    rates = [run["img_per_s"] for run in done]
-    waits = [run["data_wait_frac"] for run in done if run["data_wait_frac"] is not None]
-    return {
-        **result,
-        "status": "completed" if len(done) == len(runs) else f"{len(runs) - len(done)} run(s) failed",
-        "img_per_s": statistics.median(rates),
-        "min_img_per_s": min(rates),
-        "max_img_per_s": max(rates),
-        "peak_mem_mb": statistics.median(run["peak_mem_mb"] or 0 for run in done) or None,
-        "data_wait_frac": statistics.median(waits) if waits else None,
-    }
 
-
-def fmt(value, spec: str) -> str:
-    return "" if value is None or value == "" else format(value, spec)
+    runs = repeat(run, args.repeats, f"{section} | {row.name}")
+    return {"section": section, "row": row.name, "settings": row.describe(), **median_and_spread(runs)}
 
 
 def table(rows: list[dict]) -> str:
@@ -219,11 +184,10 @@ def table(rows: list[dict]) -> str:
         for r in members:
             rate = r.get("img_per_s")
             speedup = rate / reference if rate and reference else None
-            runs = int(r["runs"])
-            spread = f"{r['min_img_per_s']:,.0f}-{r['max_img_per_s']:,.0f}" if rate and runs > 1 else ""
             status = "" if r["status"] == "completed" else f" ({r['status']})"
+            runs = int(r["runs"])
             lines.append(
-                f"| {r['row']}{status} | {r['settings']} | {runs} | {fmt(rate, ',.0f')} | {spread} | "
+                f"| {r['row']}{status} | {r['settings']} | {runs} | {fmt(rate, ',.0f')} | {spread(r)} | "
                 f"{fmt(speedup, '.2f')}{'x' if speedup else ''} | {fmt(r.get('peak_mem_mb'), ',.0f')} | "
                 f"{fmt(r.get('data_wait_frac'), '.1%')} |"
             )
@@ -256,13 +220,6 @@ def write_tables(out: Path, header: str, rows: list[dict]) -> None:
         writer = csv.DictWriter(handle, fieldnames=list(dict.fromkeys(key for r in rows for key in r)))
         writer.writeheader()
         writer.writerows(rows)
-
-
-def environment() -> str:
-    import torch
-
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
-    return f"{gpu}, torch {torch.__version__}, {datetime.now():%Y-%m-%d}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,7 +33,9 @@ from datetime import datetime
 from pathlib import Path
 from types import SimpleNamespace
 
-from bench import REPO, SYNTHETIC, Row, environment, fmt, run_once, run_row
+from bench import REPO, SYNTHETIC, Row, run_once, run_row  # bench puts this checkout's trainer first
+
+from trainer.trials import environment, fmt, spread
 
 RESNET18_PARAMETERS = 11_173_962  # ResNet-18 with the CIFAR stem and 10 classes
 PROBE_BATCH = 512
@@ -90,10 +92,8 @@ def scaling_table(results: list[dict]) -> list[str]:
         "| --- | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for r, efficiency in zip(results, efficiencies(results)):
-        rate = r.get("img_per_s")
-        spread = f"{r['min_img_per_s']:,.0f}-{r['max_img_per_s']:,.0f}" if rate and r["runs"] > 1 else ""
         lines.append(
-            f"| {r['row']} | {r['gpus']} | {r['runs']} | {fmt(rate, ',.0f')} | {spread} | "
+            f"| {r['row']} | {r['gpus']} | {r['runs']} | {fmt(r.get('img_per_s'), ',.0f')} | {spread(r)} | "
             f"{fmt(efficiency, '.1%')} | {r['status']} |"
         )
     by_name = {r["row"]: r.get("img_per_s") for r in results}

@@ -13,36 +13,24 @@ needed, compilation excluded), compile_s and wall_s (process start to exit), as 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's trainer.trials
+
+from trainer.trials import append_jsonl, median_of, run_trial, trainer_command  # noqa: E402
 
 
 def run_once(overrides: list[str], seed: int, data_root: str, folder: Path) -> dict:
-    command = [
-        sys.executable,
-        "-m",
-        "trainer",
-        *overrides,
-        "data=imagefolder",
-        f"data.root={data_root}",
-        "data.decode_cache=true",
-        f"seed={seed}",
-        f"hydra.run.dir={folder}",
-    ]
-    started = time.perf_counter()
-    result = subprocess.run(command, capture_output=True, text=True)
-    outside = time.perf_counter() - started
-    metrics_file = folder / "metrics.json"
-    metrics = json.loads(metrics_file.read_text()) if metrics_file.is_file() else {}
-    if result.returncode != 0:
+    data = ["data=imagefolder", f"data.root={data_root}", "data.decode_cache=true"]
+    trial = run_trial(trainer_command([*overrides, *data, f"seed={seed}"], folder), folder)
+    metrics = dict(trial.metrics)
+    if trial.returncode != 0:
         metrics.setdefault("status", "failed")
-        metrics["error_tail"] = (result.stdout + result.stderr)[-2000:]
-    metrics["process_s"] = outside
+        metrics["error_tail"] = (trial.stdout + trial.stderr)[-2000:]
+    metrics["process_s"] = trial.process_s
     return metrics
 
 
@@ -56,8 +44,8 @@ def row_summary(name: str, runs: list[dict]) -> str:
         return f"| {name} | {len(runs)} | failed | | | | | | | |"
 
     def median(key: str) -> str:
-        values = [r[key] for r in runs if r.get(key) is not None]
-        return f"{statistics.median(values):.2f}" if values else "-"
+        value = median_of(runs, key)
+        return "-" if value is None else f"{value:.2f}"
 
     std = statistics.stdev(accuracies) if len(accuracies) > 1 else 0.0
     epochs = sorted({r.get("epochs_to_target") for r in runs}, key=lambda e: (e is None, e))
@@ -83,20 +71,18 @@ def main() -> None:
     rows = [row.partition("=")[::2] for row in args.row]
     results: dict[str, list[dict]] = {name: [] for name, _ in rows}
     workdir = Path(tempfile.mkdtemp(prefix="tta-"))
-    with open(args.out, "a") as out:
-        for name, overrides in rows:
-            for seed in seeds:
-                metrics = run_once(overrides.split(), seed, args.data_root, workdir / f"{name}-{seed}")
-                metrics.update(row=name, seed=seed)
-                results[name].append(metrics)
-                out.write(json.dumps({k: v for k, v in metrics.items() if k != "history"}) + "\n")
-                out.flush()
-                print(
-                    f"{name} seed {seed}: {metrics.get('status')} acc {accuracy(metrics)} "
-                    f"ttt {metrics.get('time_to_target_s')} compile {metrics.get('compile_s')} "
-                    f"wall {metrics.get('wall_s')} {metrics.get('error_tail', '')[-300:]}",
-                    flush=True,
-                )
+    for name, overrides in rows:
+        for seed in seeds:
+            metrics = run_once(overrides.split(), seed, args.data_root, workdir / f"{name}-{seed}")
+            metrics.update(row=name, seed=seed)
+            results[name].append(metrics)
+            append_jsonl(Path(args.out), {k: v for k, v in metrics.items() if k != "history"})
+            print(
+                f"{name} seed {seed}: {metrics.get('status')} acc {accuracy(metrics)} "
+                f"ttt {metrics.get('time_to_target_s')} compile {metrics.get('compile_s')} "
+                f"wall {metrics.get('wall_s')} {metrics.get('error_tail', '')[-300:]}",
+                flush=True,
+            )
     print(
         "\n| row | seeds | mean acc | std | min | epochs to target | time to target s | train s | eval s "
         "| compile s | wall s | img/s |"

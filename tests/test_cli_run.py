@@ -6,7 +6,7 @@ import math
 import re
 
 import torch
-from conftest import SMALL, SWEEP_SMALL, read_metrics, run_cli, run_folders
+from conftest import SMALL, TOGGLE_SWEEP, read_metrics, run_cli, run_folders
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 TAGS = ("train/loss", "train/acc", "test/loss", "test/acc", "lr", "perf/img_per_s", "perf/epoch_s")
@@ -68,6 +68,6 @@ def test_a_sweep_leaves_one_completed_folder_per_job(toggle_sweep):
         assert re.fullmatch(f"multirun/{TIMESTAMP}/{job}", run.relative_to(outputs).as_posix())
         metrics = read_metrics(run)
         assert metrics["status"] == "completed"
-        assert metrics["overrides"] == [*SWEEP_SMALL, f"amp={amp}", f"channels_last={layout}"]
-        assert metrics["steps"] == 2  # 64 images / batch 32
+        assert metrics["overrides"] == [*TOGGLE_SWEEP, f"amp={amp}", f"channels_last={layout}"]
+        assert metrics["steps"] == 4  # 2 epochs of 64 images / batch 32
         assert (run / "checkpoints" / "last.pt").is_file()

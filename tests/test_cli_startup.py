@@ -1,5 +1,6 @@
 """What `python -m trainer` answers before torch is loaded: a config mistake (in about a
-second, not the seconds torch takes to import) and `--help`."""
+second, not the seconds torch takes to import) and `--help`; and `python -m trainer.report`,
+which never loads torch."""
 
 from __future__ import annotations
 
@@ -10,25 +11,26 @@ import sys
 import pytest
 from conftest import HANG_GUARD_S, SMALL, cli_environment
 
-# `python -m trainer ARGS`, then report the exit code, what was printed and which heavy
+# `python -m MODULE ARGS`, then report the exit code, what was printed and which heavy
 # modules had been imported by then.
 RUN_AND_REPORT = """
 import contextlib, io, json, runpy, sys
-sys.argv = ["trainer", *sys.argv[1:]]
+module, sys.argv = sys.argv[1], [sys.argv[1], *sys.argv[2:]]
 out, err, code = io.StringIO(), io.StringIO(), 0
 with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
     try:
-        runpy.run_module("trainer", run_name="__main__", alter_sys=True)
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
     except SystemExit as exit:
         code = exit.code
-heavy = [name for name in ("torch", "torchvision", "tensorboard", "numpy") if name in sys.modules]
+heavy = ("torch", "torchvision", "tensorboard", "numpy", "matplotlib")
+heavy = [name for name in heavy if name in sys.modules]
 print(json.dumps({"code": code, "stdout": out.getvalue(), "stderr": err.getvalue(), "imported": heavy}))
 """
 
 
-def run_and_report(*args: str, cwd) -> dict:
+def run_and_report(*args: str, cwd, module: str = "trainer") -> dict:
     result = subprocess.run(
-        [sys.executable, "-c", RUN_AND_REPORT, *args],
+        [sys.executable, "-c", RUN_AND_REPORT, module, *args],
         cwd=cwd,
         env=cli_environment(),
         capture_output=True,
@@ -76,3 +78,39 @@ def test_help_lists_the_groups_and_points_to_every_key(tmp_path):
     assert "--config-dir ./my_conf perf=my_preset" in help_text
     assert "model.target=mypkg.nets:MyNet" in help_text
     assert not (tmp_path / "outputs").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        ([], "the following arguments are required: folders (see python -m trainer.report --help)"),
+        (["sweep", "--target-acc", "high"], "argument --target-acc: invalid float value: 'high'"),
+        (["sweep", "--baseline"], "argument --baseline: expected one argument"),
+    ],
+    ids=["no-folder", "not-a-number", "missing-value"],
+)
+def test_a_report_argument_mistake_is_one_line_before_anything_heavy_is_imported(tmp_path, args, fragment):
+    report = run_and_report(*args, cwd=tmp_path, module="trainer.report")
+
+    assert report["code"] == 2 and report["stdout"] == ""
+    assert report["stderr"].startswith("report: error: ") and report["stderr"].count("\n") == 1
+    assert fragment in report["stderr"]
+    assert report["imported"] == []
+
+
+def test_report_help_and_a_whole_report_never_import_torch(tmp_path):
+    help_text = run_and_report("--help", cwd=tmp_path, module="trainer.report")
+    assert help_text["code"] == 0 and help_text["imported"] == []
+    assert help_text["stdout"].startswith("usage: python -m trainer.report")
+    for job, amp in enumerate(("false", "true")):  # two finished jobs of a sweep, as a run leaves them
+        (tmp_path / "sweep" / str(job) / ".hydra").mkdir(parents=True)
+        (tmp_path / "sweep" / str(job) / ".hydra" / "overrides.yaml").write_text(f"- amp={amp}\n")
+        history = [{"epoch": 1, "img_per_s": 100.0 + job, "epoch_s": 1.0, "wall_s": 1.0, "test_acc": 0.5}]
+        metrics = {"status": "completed", "img_per_s": 100.0 + job, "test_acc": 0.5, "history": history}
+        (tmp_path / "sweep" / str(job) / "metrics.json").write_text(json.dumps(metrics))
+
+    report = run_and_report(str(tmp_path / "sweep"), cwd=tmp_path, module="trainer.report")
+
+    assert report["code"] == 0, report["stderr"]
+    assert report["stdout"].startswith("# Report: ") and (tmp_path / "sweep" / "speedup.png").is_file()
+    assert "torch" not in report["imported"] and "matplotlib" in report["imported"]

@@ -184,6 +184,9 @@ def test_a_failing_rank_ends_the_whole_run(tmp_path):
     assert metrics["status"] == "failed"
     assert "rank" in metrics["error"] and "failed" in metrics["error"]
     assert "Traceback" not in result.stdout.splitlines()[-1]
+    # one line on the terminal, elastic's report of the failed rank in that rank's log file
+    [error] = [line for line in result.stderr.splitlines() if line.strip()]
+    assert "[ERROR] - rank" in error and "ProcessExitedException" not in result.stdout + result.stderr
     assert processes_tagged(tag) == []
     assert not (tmp_path / "run" / "checkpoints").exists()
 

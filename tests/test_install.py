@@ -90,4 +90,18 @@ def test_a_built_wheel_runs_from_any_folder_with_the_configs_inside(tmp_path):
     help_text = run(str(script), "--help", cwd=elsewhere, env=env).stdout
     assert "model  cnn, fastcnn, resnet18*" in help_text  # the groups, read from the configs inside the wheel
     assert "recipe default*, fastcnn_94, resnet18_94" in help_text
-    assert [path.name for path in elsewhere.iterdir()] == ["outputs"]
+
+    # The sweep report travels in the wheel too: as a module and as a command, on the run above.
+    report_help = run(str(python), "-m", "trainer.report", "--help", cwd=elsewhere, env=env).stdout
+    assert report_help.startswith("usage: python -m trainer.report")
+    report = run(
+        str(environment / "bin" / "trainer-report"), "outputs", "--out", "report", cwd=elsewhere, env=env
+    )
+    assert report.stdout.startswith("# Report: outputs") and "| completed |" in report.stdout
+    assert {path.name for path in (elsewhere / "report").iterdir()} == {
+        "report.md",
+        "report.csv",
+        "speedup.png",
+        "accuracy_vs_time.png",
+    }
+    assert sorted(path.name for path in elsewhere.iterdir()) == ["outputs", "report"]

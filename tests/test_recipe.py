@@ -295,3 +295,15 @@ def test_the_warm_up_puts_back_every_state_it_changed(tmp_path):
         torch.testing.assert_close(warmed.raw_model.state_dict()[name], value, rtol=0, atol=0)
     assert metrics["compile_s"] > 0 and read_metrics(tmp_path / "plain")["compile_s"] == 0
     assert metrics["steps"] == 4 and metrics["wall_s"] > metrics["train_time_s"]
+
+
+def test_wall_seconds_count_the_process_for_its_first_run_and_the_job_for_a_later_one(monkeypatch):
+    from trainer import timing
+
+    monkeypatch.setattr(timing, "_runs_started", 0)
+    timing.start_run()
+    assert timing.wall_s() == pytest.approx(timing.process_age_s(), abs=0.05)
+    monkeypatch.setattr(timing, "_run_started", timing.time.monotonic() - 2.0)
+    assert timing.wall_s() >= 2.0  # the first run: the process's age, not the 2 s just set
+    timing.start_run()  # a sweep's next job in the same process
+    assert timing.wall_s() < 1.0 < timing.process_age_s()

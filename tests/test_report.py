@@ -1,10 +1,9 @@
-"""scripts/report.py on real tiny sweeps (CPU): the table, the charts, the toggle summary,
+"""python -m trainer.report on real tiny sweeps (CPU): the table, the charts, the toggle summary,
 failed and unfinished jobs, seed groups; and TensorBoard HParams for every job of a sweep."""
 
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 import shutil
 import statistics
@@ -13,22 +12,19 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import HANG_GUARD_S, REPO, read_metrics, run_folders, sweep
+from conftest import HANG_GUARD_S, SWEEP_SMALL, cli_environment, read_metrics, run_folders, sweep
 from matplotlib.image import imread
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
 from tensorboard.plugins.hparams import plugin_data_pb2
 
-SCRIPT = REPO / "scripts" / "report.py"
-_spec = importlib.util.spec_from_file_location("report", SCRIPT)
-report = sys.modules["report"] = importlib.util.module_from_spec(_spec)  # dataclasses look it up there
-_spec.loader.exec_module(report)
+from trainer.report import __main__ as report
 
 
 @pytest.fixture(scope="module")
 def seed_sweep(tmp_path_factory) -> Path:
-    """Two seeds of a good learning rate, two of one that makes the loss NaN at step 2."""
-    folder = sweep(tmp_path_factory, "seeds", "seed=0,1", "optim.lr=0.05,1e30")
+    """Two seeds of a good learning rate, two of one that makes the loss NaN at step 2; one epoch."""
+    folder = sweep(tmp_path_factory, "seeds", *SWEEP_SMALL, "seed=0,1", "optim.lr=0.05,1e30")
     assert len(run_folders(folder)) == 4
     return folder
 
@@ -66,7 +62,11 @@ def hparam_text(value) -> str:
 
 def test_cli_writes_the_report_into_the_sweep_folder(toggle_sweep):
     result = subprocess.run(
-        [sys.executable, str(SCRIPT), str(toggle_sweep)], capture_output=True, text=True, timeout=HANG_GUARD_S
+        [sys.executable, "-m", "trainer.report", str(toggle_sweep)],
+        env=cli_environment(),
+        capture_output=True,
+        text=True,
+        timeout=HANG_GUARD_S,
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == (toggle_sweep / "report.md").read_text().strip()
@@ -207,7 +207,7 @@ def test_a_baseline_that_matches_nothing_is_a_one_line_error(toggle_sweep, tmp_p
 
 def test_time_to_target_accuracy_comes_from_the_history(toggle_sweep, tmp_path, capsys):
     metrics = job_metrics(toggle_sweep)
-    lowest = min(job["test_acc"] for job in metrics.values())  # one epoch: reached exactly, or beaten
+    lowest = min(job["test_acc"] for job in metrics.values())  # one evaluation: reached exactly, or beaten
     assert run_report(toggle_sweep, "--out", tmp_path, "--target-acc", lowest, capsys=capsys)[0] == 0
     for row in read_csv(tmp_path):
         [evaluated] = [entry for entry in metrics[row["job"]]["history"] if "test_acc" in entry]
@@ -266,3 +266,44 @@ def test_a_two_valued_non_boolean_key_counts_as_a_toggle_from_the_baselines_valu
     [loader] = markdown_rows(out, "data.loader: torch → gpu")
     assert loader[1] == f"{gpu_on:.2f}×" and loader[3] == "2"
     assert markdown_rows(out, "amp")[0][3] == "2"
+
+
+def test_one_epoch_images_per_second_is_marked_as_warm_up_and_given_no_speedup(seed_sweep, tmp_path, capsys):
+    code, out, _ = run_report(seed_sweep, "--out", tmp_path, capsys=capsys)
+    assert code == 0
+    rows = {row["optim.lr"]: row for row in read_csv(tmp_path)}
+    measured = rows["0.05"]
+    assert measured["img_per_s_includes_warm_up"] == "yes" and measured["img_per_s"] != ""
+    assert measured["speedup"] == "" and measured["baseline"] == "yes"  # still the accuracy's baseline
+    assert float(measured["test_acc_change"]) == pytest.approx(0.0)
+    assert rows["1e+30"]["img_per_s_includes_warm_up"] == ""  # failed: no images/s to mark
+    [note] = [line for line in out.splitlines() if "epochs>=2" in line]
+    assert note.startswith("img/s (with warm-up): every job timed only one epoch")
+    [cells] = [cells for cells in markdown_rows(out, "") if "0.05" in cells]
+    header = markdown_rows(out, "job")[0]
+    assert cells[header.index("img/s")].endswith("(with warm-up)") and cells[header.index("speed-up")] == ""
+
+
+def test_a_job_timed_with_its_warm_up_is_neither_baseline_nor_half_of_a_toggle_pair(
+    toggle_sweep, tmp_path, capsys
+):
+    """Job 0 (every toggle off) cut back to its first epoch, as a one-epoch run records it."""
+    sweep_copy = tmp_path / "sweep"
+    shutil.copytree(toggle_sweep, sweep_copy, ignore=shutil.ignore_patterns("checkpoints", "report.*"))
+    first_epoch = read_metrics(sweep_copy / "0")
+    first_epoch.update(history=first_epoch["history"][:1], img_per_s=first_epoch["history"][0]["img_per_s"])
+    (sweep_copy / "0" / "metrics.json").write_text(json.dumps(first_epoch))
+    code, out, _ = run_report(sweep_copy, capsys=capsys)
+    assert code == 0
+    rows = {row["job"]: row for row in read_csv(sweep_copy)}
+    assert rows["0"]["img_per_s_includes_warm_up"] == "yes" and rows["0"]["speedup"] == ""
+    assert rows["0"]["baseline"] == "" and rows["0"]["test_acc_change"] != ""
+    others = {name: float(rows[name]["img_per_s"]) for name in ("1", "2", "3")}
+    slowest = min(others, key=others.get)
+    assert rows[slowest]["baseline"] == "yes" and "the slowest without warm-up in its images/s" in out
+    for name, speed in others.items():
+        assert float(rows[name]["speedup"]) == pytest.approx(speed / others[slowest])
+    assert "img/s (with warm-up): job 0 timed only one epoch" in out
+    [amp] = markdown_rows(out, "amp")
+    [channels_last] = markdown_rows(out, "channels_last")
+    assert amp[3] == channels_last[3] == "1"  # the pairs without job 0

@@ -4,6 +4,10 @@ run resumed still leaves a checkpoint."""
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -103,14 +107,31 @@ def test_a_saved_state_that_does_not_load_names_which_and_how_to_resume(tmp_path
     assert "resume with the settings it was saved with" in line
 
 
-def test_resuming_a_finished_run_leaves_its_checkpoint_and_removes_a_partial_save(tmp_path, finished_run):
-    """A save killed midway (kill -9) leaves last.pt.tmp; the next start or resume removes it."""
-    partial = finished_run / "checkpoints" / "last.pt.tmp"
+def partial_save(run_dir: Path, pid: int) -> Path:
+    """The temporary file a checkpoint save by process `pid` on this host leaves when killed midway."""
+    partial = run_dir / "checkpoints" / f"last.pt.{socket.gethostname()}.{pid}.tmp"
+    partial.parent.mkdir(parents=True, exist_ok=True)
     partial.write_bytes(b"half a checkpoint")
+    return partial
+
+
+def ended_process() -> int:
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()
+    return process.pid
+
+
+def test_resuming_a_finished_run_leaves_its_checkpoint_and_removes_a_partial_save(tmp_path, finished_run):
+    """A save killed midway (kill -9) leaves its temporary file; the next start or resume
+    removes it once its writer has ended, and never one whose writer still runs."""
+    partial = partial_save(finished_run, ended_process())
+    in_flight = partial_save(finished_run, os.getpid())  # this process is alive: it may be mid-write
 
     metrics = Trainer(compose_config(*FINISHED, f"resume={finished_run}"), tmp_path / "resumed").fit()
 
     assert not partial.exists()
+    assert in_flight.exists()
+    in_flight.unlink()
     assert (metrics["status"], metrics["steps"]) == ("completed", 2)
     assert metrics["history"] == read_metrics(finished_run)["history"]
     saved = torch.load(tmp_path / "resumed" / "checkpoints" / "last.pt", weights_only=False)
@@ -118,9 +139,7 @@ def test_resuming_a_finished_run_leaves_its_checkpoint_and_removes_a_partial_sav
 
 
 def test_a_new_run_in_a_folder_with_a_partial_save_removes_it(tmp_path):
-    partial = tmp_path / "run" / "checkpoints" / "last.pt.tmp"
-    partial.parent.mkdir(parents=True)
-    partial.write_bytes(b"half a checkpoint")
+    partial = partial_save(tmp_path / "run", ended_process())
 
     Trainer(compose_config("max_steps=1"), tmp_path / "run").build()
 

@@ -9,10 +9,12 @@ from datetime import datetime
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from trainer.cli_checks import CONF_DIR, check_command_line
+from trainer import run_lock
+from trainer.cli_checks import CONF_DIR, check_command_line, split_command_line
 from trainer.cli_help import register_help
 from trainer.config import TrainerError, register_schema
 from trainer.torchrun_env import started_by_torchrun
@@ -33,9 +35,9 @@ def run(cfg: DictConfig, run_dir: str, overrides: list[str], sweep: bool = False
     """One job in its run folder: exit 1 with one error line when it fails, 130 when stopped."""
     from trainer.trainer import Trainer  # torch: only once the command line has passed its check
 
-    trainer = Trainer.for_run(cfg, run_dir, overrides)
     try:
-        metrics = trainer.fit()
+        with run_lock.owned(run_dir):  # taken by main() already where the command line names the folder
+            metrics = Trainer.for_run(cfg, run_dir, overrides).fit()
     except TrainerError as error:
         if sweep:
             raise  # the sweep goes on with the next job and reports this one at the end
@@ -57,6 +59,17 @@ def torchrun_overrides() -> list[str]:
     return extra
 
 
+def named_run_folder(args: list[str]) -> str | None:
+    """The folder a single run's command line names (hydra.run.dir=...), unless it interpolates:
+    then only the job knows it, and takes the lock there."""
+    _, hydra_overrides, multirun = split_command_line(args)
+    named = [arg for arg in hydra_overrides if arg.startswith("hydra.run.dir=")]
+    if multirun or not named:
+        return None
+    folder = str(OverridesParser.create().parse_override(named[-1]).value())
+    return None if "${" in folder else folder
+
+
 def main() -> None:
     args = sys.argv[1:]
     try:
@@ -66,7 +79,19 @@ def main() -> None:
         sys.exit(2)
     if started_by_torchrun() and not any(arg.startswith("hydra.run.dir=") for arg in args):
         sys.argv += torchrun_overrides()
-    train()
+    # A folder a live run owns is refused before Hydra writes its config and log there.
+    folder = named_run_folder(sys.argv[1:]) if run_lock.starts_runs() else None
+    if folder:
+        try:
+            run_lock.acquire(folder)
+        except TrainerError as error:
+            print(f"trainer: error: {error}", file=sys.stderr)
+            sys.exit(1)
+    try:
+        train()
+    finally:
+        if folder:
+            run_lock.release(folder)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Atomic checkpoints (temp file + rename) and resume.
+"""Atomic checkpoints (trainer.atomic) and resume.
 
 torch and numpy are imported where they are used: `resolve_checkpoint` is part of the
 command-line check, which answers before torch is loaded.
@@ -12,6 +12,7 @@ import os
 import random
 from pathlib import Path
 
+from trainer.atomic import NotWritten, remove_leftovers, write_atomic
 from trainer.config import ConfigError, TrainerError
 
 log = logging.getLogger(__name__)
@@ -21,45 +22,28 @@ CHECKPOINT = Path("checkpoints") / "last.pt"
 CONTENTS = ("model", "optimizer", "scheduler", "scaler", "progress", "rng", "config", "total_steps")
 
 
-class CheckpointNotWritten(TrainerError):
-    pass
-
-
-def temporary_path(path: Path) -> Path:
-    return path.with_name(path.name + ".tmp")
+# A checkpoint that could not be written (full disk, file-size limit): one line, the old one kept.
+CheckpointNotWritten = NotWritten
 
 
 def atomic_save(obj: object, path: Path) -> None:
-    """A reader sees the old file or the new one, never half of one.
+    """A reader sees the old file or the new one, never half of one (trainer.atomic).
 
     Serialized in memory first: torch's own file writer reports a full disk or a file-size
     limit only as "enforce fail at inline_container.cc", a plain write says which it was.
     """
     import torch
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = temporary_path(path)
     buffer = io.BytesIO()
     torch.save(obj, buffer)
-    try:
-        with open(temporary, "wb") as file:
-            file.write(buffer.getbuffer())
-        os.replace(temporary, path)
-    except OSError as error:
-        temporary.unlink(missing_ok=True)
-        raise CheckpointNotWritten(
-            f"could not write the checkpoint {path} ({error.strerror or error}); any earlier {path.name} "
-            f"there is kept: free disk space, raise the file-size limit (ulimit -f), or set "
-            f"hydra.run.dir=/a/folder/with/room"
-        ) from None
+    write_atomic(path, buffer.getbuffer(), "the checkpoint")
 
 
-def remove_partial_write(path: Path) -> None:
-    """A save killed midway (kill -9) leaves its temporary file behind; it never became a checkpoint."""
-    temporary = temporary_path(path)
-    if temporary.is_file():
-        temporary.unlink(missing_ok=True)
-        log.info("removed %s, left by a checkpoint save that was killed midway", temporary)
+def remove_partial_writes(path: Path) -> None:
+    """A save killed midway (kill -9) leaves its temporary file behind; it never became a
+    checkpoint. Only those whose writer has ended go: a live run's save in flight stays."""
+    for leftover in remove_leftovers(path):
+        log.info("removed %s, left by a checkpoint save that was killed midway", leftover)
 
 
 def rng_states() -> dict:
@@ -101,7 +85,7 @@ def load_checkpoint(resume: str) -> tuple[Path, dict]:
     import torch
 
     path = resolve_checkpoint(resume)
-    remove_partial_write(path)
+    remove_partial_writes(path)
     try:
         return path, torch.load(path, map_location="cpu", weights_only=False)
     except Exception as error:

@@ -9,6 +9,7 @@ period), so no process outlives the run; with restarts the group starts again in
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -21,11 +22,13 @@ import uuid
 from collections.abc import Callable
 from contextlib import closing
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from trainer.config import ConfigError, DdpBackend, TrainConfig, TrainerError
+from trainer.logging import elastic_logs_to
 from trainer.torchrun_env import started_by_torchrun  # noqa: F401 - part of this module's interface
 
 log = logging.getLogger(__name__)
@@ -48,7 +51,9 @@ class Ranks:
 
 
 class WorkerFailed(TrainerError):
-    pass
+    def __init__(self, rank: int, reason: str):
+        super().__init__(f"rank {rank} failed: {reason}")
+        self.rank = rank
 
 
 class LaunchStopped(TrainerError):
@@ -110,6 +115,37 @@ def all_reduce_sum(tensor: torch.Tensor, ranks: Ranks) -> torch.Tensor:
     return tensor
 
 
+class StopVote:
+    """Whether any rank has been asked to stop, answered alike on every rank at the same step.
+
+    Each poll sends this rank's request, without waiting, on a gloo group of its own (CPU
+    tensors: no device sync, whatever the backend) and returns the previous poll's sum: a
+    step's work never waits for the vote, and a stop lands one step after it was asked.
+    """
+
+    def __init__(self, ranks: Ranks):
+        self.group = dist.new_group(backend="gloo") if ranks.world_size > 1 else None
+        self.pending: tuple | None = None
+
+    def poll(self, requested: bool) -> bool:
+        if self.group is None:
+            return requested
+        agreed = False
+        if self.pending is not None:
+            work, votes = self.pending
+            work.wait()
+            agreed = votes.item() > 0
+        votes = torch.tensor([1.0 if requested else 0.0])
+        self.pending = (dist.all_reduce(votes, group=self.group, async_op=True), votes)
+        return agreed
+
+    def close(self) -> None:
+        """Wait for the last vote (every rank sent it), before the group can go."""
+        if self.pending is not None:
+            self.pending[0].wait()
+            self.pending = None
+
+
 def _elastic_worker(target: Callable, args: tuple) -> object:
     """One rank, started by the elastic agent (which set RANK, WORLD_SIZE, LOCAL_RANK, ...)."""
     ranks = torchrun_ranks()
@@ -130,12 +166,15 @@ def restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
-def launch(world_size: int, target: Callable, args: tuple, max_restarts: int = 0) -> object:
+def launch(
+    world_size: int, target: Callable, args: tuple, max_restarts: int = 0, log_dir: Path | None = None
+) -> object:
     """Run target(ranks, *args) in `world_size` processes on this host; return rank 0's result.
 
     A rank that dies restarts the whole group up to `max_restarts` times (the target sees
     restart_count() > 0). SIGINT/SIGTERM to this process reach the ranks, which stop at a step
-    and save; then LaunchStopped is raised here.
+    and save; then LaunchStopped is raised here. With `log_dir`, what the elastic agent logs
+    (a failed rank's traceback) goes to the ranks' log files there instead of the terminal.
     """
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -166,12 +205,12 @@ def launch(world_size: int, target: Callable, args: tuple, max_restarts: int = 0
     shared_store = os.environ.get(UNSHARED_STORE)
     os.environ[UNSHARED_STORE] = "1"
     try:
-        return elastic_launch(config, _elastic_worker)(target, args)[0]
+        with elastic_logs_to(log_dir) if log_dir is not None else contextlib.nullcontext():
+            return elastic_launch(config, _elastic_worker)(target, args)[0]
     except ChildFailedError as error:
         if all(failure.exitcode == STOPPED_EXIT_CODE for failure in error.failures.values()):
             raise LaunchStopped("the ranks stopped at a step, as asked") from None
-        rank, message = _cause(error)
-        raise WorkerFailed(f"rank {rank} failed: {message}") from None
+        raise WorkerFailed(*_cause(error)) from None
     except SignalException as stop:
         raise LaunchStopped(f"stopped by {stop.sigval.name}") from None
     finally:

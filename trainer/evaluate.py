@@ -29,6 +29,7 @@ from trainer.config import (
 
 log = logging.getLogger("trainer.evaluate")
 EVALUATION = "evaluation.json"
+ROOM = "free disk space or raise the file-size limit (ulimit -f)"  # where evaluation.json cannot be written
 
 
 def checkpoint_file(run: str) -> Path:
@@ -127,7 +128,7 @@ def evaluate_run(run: str, overrides: list[str], export: ExportFormat = ExportFo
     }
     if export is not ExportFormat.none:
         result["export"] = str(export_model(model, export, folder).relative_to(folder))
-    write_json_atomic(folder / EVALUATION, result)
+    write_json_atomic(folder / EVALUATION, result, "the evaluation", fix=ROOM)
     return result
 
 

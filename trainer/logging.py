@@ -1,15 +1,23 @@
-"""Run records: TensorBoard scalars and hparams, metrics.json, progress bar. Rank 0 only."""
+"""Run records: TensorBoard scalars and hparams, metrics.json, progress bar (rank 0 only);
+where the log lines of launched ranks and of torch elastic go."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
-import os
+import re
+import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 from tqdm import tqdm
 
+from trainer.atomic import RUN_FOLDER_FIX, write_atomic
+
 METRICS = "metrics.json"
+LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"  # as Hydra's job log
 FINAL_METRICS = (
     "test_acc",
     "test_acc_tta",
@@ -34,16 +42,19 @@ class BelowLevel(logging.Filter):
         return record.levelno < self.level
 
 
-def write_json_atomic(path: Path, data: dict) -> None:
-    temporary = path.with_name(path.name + ".tmp")
-    temporary.write_text(json.dumps(data, indent=2, default=str) + "\n")
-    os.replace(temporary, path)
+def write_json_atomic(
+    path: Path, data: dict, what: str = "the run record", fix: str = RUN_FOLDER_FIX
+) -> None:
+    """All or nothing (trainer.atomic): NotWritten in one line when the disk refuses."""
+    write_atomic(path, (json.dumps(data, indent=2, default=str) + "\n").encode(), what, fix)
 
 
-def read_metrics(run_dir: Path) -> dict:
-    """A run folder's metrics.json ({} when it has none)."""
+def read_metrics(run_dir: Path, since: float | None = None) -> dict:
+    """A run folder's metrics.json ({} when it has none, or none written after time `since`)."""
     path = Path(run_dir) / METRICS
-    return json.loads(path.read_text()) if path.is_file() else {}
+    if not path.is_file() or (since is not None and path.stat().st_mtime < since):
+        return {}
+    return json.loads(path.read_text())
 
 
 def flatten(config: dict, prefix: str = "") -> dict:
@@ -116,17 +127,71 @@ class SilentRunLog(RunLog):
 
 
 def configure_rank_logging(ranks, run_dir: Path) -> None:
-    """In a spawned or torchrun process: rank 0 logs to the console and the run's log file,
-    every other rank to `rank<N>.log` in the run folder."""
+    """In a spawned or torchrun process: every rank logs to `rank<N>.log` in the run folder,
+    rank 0 also to the console, as a single run does: progress to stdout, warnings and errors
+    to stderr (conf/hydra/job_logging/trainer.yaml)."""
     root = logging.getLogger()
     for handler in list(root.handlers):
         root.removeHandler(handler)
     root.setLevel(logging.INFO)
     run_dir.mkdir(parents=True, exist_ok=True)
-    formatter = logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
     handlers = [logging.FileHandler(run_dir / f"rank{ranks.rank}.log")]
     if ranks.is_main:
-        handlers.append(logging.StreamHandler())
+        progress, problems = logging.StreamHandler(sys.stdout), logging.StreamHandler(sys.stderr)
+        progress.addFilter(BelowLevel(logging.WARNING))
+        problems.setLevel(logging.WARNING)
+        handlers += [progress, problems]
     for handler in handlers:
-        handler.setFormatter(formatter)
+        handler.setFormatter(logging.Formatter(LOG_FORMAT))
         root.addHandler(handler)
+    # tqdm's default lock is a multiprocessing semaphore; a rank killed holding one leaves the
+    # launcher a "leaked semaphore" warning at exit. A rank's bars are its own: a thread lock does.
+    tqdm.set_lock(threading.RLock())
+
+
+# torch.distributed.elastic's loggers (its agent, the launcher API, torch.multiprocessing)
+ELASTIC_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
+
+
+class ToRankLogs(logging.Handler):
+    """A record that names a local rank (elastic's traceback of a rank that ended) into that
+    rank's log file in `log_dir`; any other into the launcher's own log files. Launches are on
+    one host, where the local rank is the rank."""
+
+    RANK = re.compile(r"local_rank[:=]\s*(\d+)")
+
+    def __init__(self, log_dir: Path):
+        super().__init__()
+        self.log_dir = log_dir
+        self.setFormatter(logging.Formatter(LOG_FORMAT))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        named = self.RANK.search(record.getMessage())
+        if named is None:
+            for handler in logging.getLogger().handlers:
+                if isinstance(handler, logging.FileHandler):
+                    handler.handle(record)
+            return
+        try:
+            with open(self.log_dir / f"rank{named.group(1)}.log", "a") as file:
+                file.write(self.format(record) + "\n")
+        except OSError:
+            self.handleError(record)
+
+
+@contextlib.contextmanager
+def elastic_logs_to(log_dir: Path) -> Iterator[None]:
+    """While inside, torch elastic logs into the run folder (ToRankLogs), not to the terminal,
+    where the launch's own one-line error is what a failed rank leaves."""
+    handler = ToRankLogs(log_dir)
+    loggers = [logging.getLogger(name) for name in ELASTIC_LOGGERS]
+    propagate = [logger.propagate for logger in loggers]
+    for logger in loggers:
+        logger.addHandler(handler)
+        logger.propagate = False  # torch's own stderr handler sits on the "torch" logger above
+    try:
+        yield
+    finally:
+        for logger, before in zip(loggers, propagate):
+            logger.removeHandler(handler)
+            logger.propagate = before

@@ -84,6 +84,20 @@ def data_wait_timer(enabled: bool, device_type: str):
 
 
 IMPORTED = time.monotonic()
+_runs_started = 0  # runs begun in this process: a sweep runs its jobs one after another
+_run_started = IMPORTED
+
+
+def start_run() -> None:
+    global _runs_started, _run_started
+    _runs_started += 1
+    _run_started = time.monotonic()
+
+
+def wall_s() -> float:
+    """This run's seconds so far: for the process's first run since the process started (the
+    interpreter and the imports included), for a sweep's later jobs since the job began."""
+    return process_age_s() if _runs_started <= 1 else time.monotonic() - _run_started
 
 
 def process_age_s() -> float:

@@ -26,7 +26,8 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from trainer import checkpoint, distributed, evaluation, mfu, perf
+from trainer import checkpoint, distributed, evaluation, mfu, perf, run_lock, timing
+from trainer.atomic import NotWritten
 from trainer.config import (
     ConfigError,
     ExportFormat,
@@ -43,7 +44,7 @@ from trainer.logging import RunLog, SilentRunLog, configure_rank_logging, read_m
 from trainer.models import build_model, initialize_from_data
 from trainer.optim import build_optimizer, build_scheduler, peak_lr, scaling_rule
 from trainer.progress import Progress
-from trainer.timing import data_wait_timer, process_age_s
+from trainer.timing import data_wait_timer
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +94,7 @@ class Trainer:
         ranks: Ranks | None = None,
         overrides: list[str] | None = None,
     ):
+        timing.start_run()
         self.cfg: TrainConfig = to_train_config(cfg)
         self.config = OmegaConf.to_container(OmegaConf.structured(self.cfg), enum_to_str=True)
         self.run_dir = Path(run_dir) if run_dir is not None else default_run_dir()
@@ -101,11 +103,14 @@ class Trainer:
         self.status = "running"
         self.progress = Progress()
         self.mfu = mfu.Meter()  # nothing counted before build
-        self.stop_signal: str | None = None
+        self.stop_signal: str | None = None  # a stop every rank agreed on
+        self.stop_requested: str | None = None  # the signal this process got
+        self.stop_asked_at: int | None = None  # the step it came at
         self.device: torch.device | None = None
         self.resumed_from: str | None = None
         self.lr_peak: float | None = None  # set by build: optim.lr scaled to the global batch
         self.exported: str | None = None  # the inference model's file, once written
+        self.ranks_record: dict = {}  # a launcher's: rank 0's metrics.json when the ranks failed
         self.built = False
 
     # ------------------------------------------------------------------ entry points
@@ -117,14 +122,20 @@ class Trainer:
         try:
             return cls(cfg, run_dir, overrides=overrides)
         except TrainerError as error:
-            write_json_atomic(
-                Path(run_dir) / "metrics.json",
-                {"status": "failed", "error": str(error), "overrides": overrides},
-            )
+            with contextlib.suppress(NotWritten):  # a full disk: the error itself is what to report
+                write_json_atomic(
+                    Path(run_dir) / "metrics.json",
+                    {"status": "failed", "error": str(error), "overrides": overrides},
+                )
             raise
 
     def fit(self) -> dict:
         """Train, evaluate, checkpoint; return the final metrics (also in metrics.json)."""
+        # The process that starts the run owns its folder; ranks it launched run inside that.
+        with run_lock.owned(self.run_dir) if self.ranks is None else contextlib.nullcontext():
+            return self._fit_or_record_failure()
+
+    def _fit_or_record_failure(self) -> dict:
         try:
             if self.cfg.ddp and self.ranks is None and distributed.started_by_torchrun():
                 self.ranks = distributed.torchrun_ranks()
@@ -146,12 +157,18 @@ class Trainer:
         world_size = distributed.world_size_for(self.cfg, device_type)
         log.info("ddp: launching %d processes (%s)", world_size, device_type)
         arguments = (self.config, str(self.run_dir), self.overrides)
+        launched = time.time()
         try:
-            metrics = distributed.launch(world_size, _fit_rank, arguments, self.cfg.ddp_max_restarts)
+            metrics = distributed.launch(
+                world_size, _fit_rank, arguments, self.cfg.ddp_max_restarts, log_dir=self.run_dir
+            )
         except distributed.LaunchStopped:
             metrics = read_metrics(self.run_dir)  # rank 0's, written as it stopped and saved
             if metrics.get("status") != "interrupted":
                 raise
+        except distributed.WorkerFailed:
+            self.ranks_record = read_metrics(self.run_dir, since=launched)  # the failure record keeps it
+            raise
         self.status = metrics["status"]
         return metrics
 
@@ -277,13 +294,13 @@ class Trainer:
         self.zero_grad = perf.zero_grad(cfg, self.optimizer)
         self.synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         self.timer = data_wait_timer(cfg.measure_data_wait, device.type)
-        self.stop_check_every = 1 if ranks.world_size == 1 else cfg.log_every
+        self.stop_vote = distributed.StopVote(ranks)
 
         if resume is not None:
             self._restore(*resume)
         # Files appear only once everything above has worked.
         if ranks.is_main:
-            checkpoint.remove_partial_write(self.run_dir / checkpoint.CHECKPOINT)
+            checkpoint.remove_partial_writes(self.run_dir / checkpoint.CHECKPOINT)
         self.run_log = RunLog(self.run_dir) if ranks.is_main else SilentRunLog(self.run_dir)
         self.profiler = perf.Profiler(cfg.profile and ranks.is_main, str(self.run_dir / "profile"))
         log.info(
@@ -307,7 +324,7 @@ class Trainer:
         while (
             self.progress.epoch < cfg.epochs
             and self.progress.step < self.total_steps
-            and not self.stop_signal
+            and not self._stop_agreed()
         ):
             record = self._train_epoch()
             if self.stop_signal and self.progress.batch_in_epoch < self.batches_per_epoch:  # inside the epoch
@@ -327,13 +344,15 @@ class Trainer:
             self._save_checkpoint()
             self.run_log.metrics(self.summary())
             epochs_run += 1
+        self.stop_vote.close()
         if self.stop_signal:
             self.status = "interrupted"
             self._save_checkpoint()
             log.warning(
-                "stopped by %s at step %d; checkpoint saved. Continue with resume=%s",
+                "stopped by %s at step %d%s; checkpoint saved. Continue with resume=%s",
                 self.stop_signal,
                 self.progress.step,
+                "" if self.stop_asked_at is None else f" (asked at step {self.stop_asked_at})",
                 self.run_dir,
             )
         else:
@@ -411,9 +430,7 @@ class Trainer:
                 loss_total += self._log_window(window, progress, time.perf_counter() - window_started)
                 micro_batches += len(window)
                 window, window_started = [], time.perf_counter()
-            if self.progress.step >= self.total_steps or (
-                self.progress.step % self.stop_check_every == 0 and self._stop_agreed()
-            ):
+            if self.progress.step >= self.total_steps or self._stop_agreed():
                 break
         if window:
             loss_total += self._log_window(window, progress, time.perf_counter() - window_started)
@@ -520,7 +537,8 @@ class Trainer:
 
     def _catch_stop_signals(self) -> dict:
         def request_stop(signum, _frame):
-            self.stop_signal = signal.Signals(signum).name
+            self.stop_requested = signal.Signals(signum).name
+            self.stop_asked_at = self.progress.step
 
         previous = {}
         with contextlib.suppress(ValueError):  # signals can only be caught in the main thread
@@ -529,12 +547,10 @@ class Trainer:
         return previous
 
     def _stop_agreed(self) -> bool:
-        """Every rank stops at the same step: a stop asked of any rank is shared."""
-        if self.ranks.world_size == 1:
-            return self.stop_signal is not None
-        flag = torch.tensor([1.0 if self.stop_signal else 0.0], device=self.device)
-        if distributed.all_reduce_sum(flag, self.ranks).item() > 0:
-            self.stop_signal = self.stop_signal or "a stop on another rank"
+        """Every rank stops at the same step: a stop asked of any rank is shared (under DDP a
+        step later, so that no step waits for the vote)."""
+        if not self.stop_signal and self.stop_vote.poll(self.stop_requested is not None):
+            self.stop_signal = self.stop_requested or "a stop on another rank"
         return self.stop_signal is not None
 
     def _stateful(self) -> dict:
@@ -589,7 +605,7 @@ class Trainer:
             "lr_peak": self.lr_peak,
             "target_acc": self.cfg.target_acc,
             "export": self.exported,
-            "wall_s": process_age_s(),
+            "wall_s": timing.wall_s(),
         }
 
     def _record_failure(self, error: BaseException) -> None:
@@ -598,10 +614,13 @@ class Trainer:
             self.status = "interrupted"
         else:
             self.status = "failed"
-        summary = self.summary()
+        # A launcher's own summary is empty: rank 0's record holds the run's progress.
+        summary = {**self.summary(), **self.ranks_record, "status": self.status}
         summary["error"] = str(error).splitlines()[0] if str(error) else type(error).__name__
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(self.run_dir / "metrics.json", summary)
+        if isinstance(error, distributed.WorkerFailed):
+            summary["failed_rank"] = error.rank
+        with contextlib.suppress(NotWritten):  # a full disk: the last record stays, the error is raised
+            write_json_atomic(self.run_dir / "metrics.json", summary)
 
 
 def _fmt(value: float | None) -> str:

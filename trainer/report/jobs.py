@@ -1,0 +1,129 @@
+"""Reading a sweep: every folder holding .hydra/ is a job; its overrides and metrics.json.
+
+Owns: finding job folders, parsing `.hydra/overrides.yaml` and `metrics.json` into `Job`s, the
+numbers a job contributes (images/s, accuracy, ... and time to a target accuracy). Must not
+touch: grouping, comparisons, formatting or plotting; it never writes a file, and a job that
+failed or left nothing behind is a `Job` with that status, never an exception.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from trainer.trials import includes_warm_up
+
+BOOLEANS = ("false", "true")
+NO_METRICS = "no metrics.json"
+# read from metrics.json
+JOB_NUMBERS = ("img_per_s", "test_acc", "peak_mem_mb", "data_wait_frac", "compile_s", "wall_s")
+
+
+class ReportError(Exception):
+    """A problem with the command line or the folders: printed as one line, exit code 1."""
+
+
+@dataclass
+class Job:
+    folder: Path
+    name: str  # folder path relative to what all jobs share, e.g. "3"
+    overrides: dict[str, str]  # key -> value, booleans lower-cased
+    metrics: dict  # metrics.json; empty when absent
+    status: str
+    numbers: dict[str, float] = field(default_factory=dict)  # only for completed jobs
+    includes_warm_up: bool = False  # its img_per_s times its first epoch (trainer.trials has the rule)
+
+
+def natural_key(path: Path) -> list:
+    """'…/10' after '…/9'."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", str(path))]
+
+
+def find_job_folders(folders: list[Path]) -> list[Path]:
+    jobs = []
+    for folder in folders:
+        if not folder.is_dir():
+            raise ReportError(f"no such folder: {folder}")
+        found = sorted({hydra.parent for hydra in folder.rglob(".hydra") if hydra.is_dir()}, key=natural_key)
+        if not found:
+            raise ReportError(f"no job folders (folders holding .hydra/) under {folder}")
+        jobs.extend(found)
+    return jobs
+
+
+def parse_override(text: str) -> tuple[str, str]:
+    """'amp=True' -> ('amp', 'true'): a sweep writes booleans as Python spells them."""
+    key, _, value = text.partition("=")
+    return key.lstrip("+~"), value.lower() if value.lower() in BOOLEANS else value
+
+
+def read_overrides(folder: Path) -> dict[str, str]:
+    path = folder / ".hydra" / "overrides.yaml"
+    lines = yaml.safe_load(path.read_text()) if path.is_file() else None
+    return dict(parse_override(str(line)) for line in lines or [])
+
+
+def read_metrics(folder: Path) -> tuple[dict, str]:
+    path = folder / "metrics.json"
+    if not path.is_file():
+        return {}, NO_METRICS
+    try:
+        metrics = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return {}, "unreadable metrics.json"
+    return metrics, str(metrics.get("status", "unknown"))
+
+
+def time_to_target(history: list[dict], target: float) -> float | None:
+    """Seconds until the first evaluation whose test accuracy (with TTA where the run had it)
+    reached target: training plus evaluation time, as the trainer counts time_to_target_s
+    (wall-clock time since the start for runs that did not record evaluation times)."""
+    evaluating = 0.0
+    for entry in history:
+        evaluating += entry.get("eval_s", 0.0)
+        accuracy = entry.get("test_acc_tta", entry.get("test_acc"))
+        if accuracy is not None and accuracy >= target:
+            return entry["train_time_s"] + evaluating if "eval_s" in entry else entry["wall_s"]
+    return None
+
+
+def job_time_to_target(metrics: dict, target: float | None) -> float | None:
+    """The run's own time_to_target_s when it was trained for this target, else from its history."""
+    recorded = metrics.get("target_acc")
+    if recorded is not None and (target is None or math.isclose(recorded, target)):
+        return metrics.get("time_to_target_s")
+    return None if target is None else time_to_target(metrics.get("history", []), target)
+
+
+def recorded_target(jobs: list[Job]) -> float | None:
+    """The target_acc the completed jobs were trained for, when they share one."""
+    targets = {job.metrics.get("target_acc") for job in jobs if job.status == "completed"}
+    return targets.pop() if len(targets) == 1 else None
+
+
+def job_names(folders: list[Path]) -> list[str]:
+    """Each job folder relative to the folder all of them share: '3', or 'sweep-b/3'."""
+    if len(folders) == 1:
+        return [folders[0].name]
+    shared = Path(os.path.commonpath([folder.resolve() for folder in folders]))
+    return [str(folder.resolve().relative_to(shared)) for folder in folders]
+
+
+def load_jobs(folders: list[Path], target_acc: float | None) -> list[Job]:
+    job_folders = find_job_folders(folders)
+    jobs = []
+    for folder, name in zip(job_folders, job_names(job_folders)):
+        metrics, status = read_metrics(folder)
+        job = Job(folder, name, read_overrides(folder), metrics, status)
+        if status == "completed":
+            job.numbers = {key: metrics.get(key) for key in JOB_NUMBERS}
+            job.numbers["time_to_target_s"] = job_time_to_target(metrics, target_acc)
+            job.includes_warm_up = includes_warm_up(metrics)
+        jobs.append(job)
+    return jobs

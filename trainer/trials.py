@@ -1,0 +1,170 @@
+"""Trials: each a training run in its own process, timed without its warm-up, repeated, summarized.
+
+A trial is one `python -m trainer ...` process (or any command that leaves a trainer-style
+metrics.json in its run folder), so that no trial inherits another's compiled graphs, cuDNN
+plans or allocator state. Its images/s leaves out the first epoch (loader start, first
+allocations, autotuning, the process's start-up); repeats give a median and a min-max spread;
+results can be appended as JSON lines as they come, so a stopped series keeps what finished.
+
+Owns: the warm-up rule (`timed_epochs`, `includes_warm_up`; the sweep report reads it too),
+starting a trial and reading back what it left (`run_trial`), the numbers of one trial
+(`steady_numbers`) and of its repeats (`median_and_spread`), and the cells every trial table
+shares (`fmt`, `spread`, `environment`). Must not touch: what to run (row lists, peers and
+their tables live in scripts/, the choice of settings in the tuner) or the training itself;
+torch is imported only by `environment()`, so the report can use this module without it.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+METRICS = "metrics.json"
+
+
+def timed_epochs(history: list[dict]) -> list[dict]:
+    """The epochs whose speed counts: all after the first, or the only one there is."""
+    return history[1:] or history
+
+
+def includes_warm_up(metrics: dict) -> bool:
+    """Whether a run's images/s includes its warm-up: the trainer leaves the first epoch out of
+    img_per_s only when there are two or more. A one-epoch run times its loader start, first
+    allocations and autotuning, and a sweep's first job also the process's own start-up (CUDA
+    context, first kernels), which the later jobs of the sweep find done."""
+    return len(metrics.get("history", [])) < 2
+
+
+def trainer_command(overrides: list[str], run_dir: Path) -> list[str]:
+    """`python -m trainer OVERRIDES` writing into run_dir."""
+    return [sys.executable, "-m", "trainer", *overrides, f"hydra.run.dir={run_dir}"]
+
+
+@dataclass
+class Trial:
+    """What one process left: its metrics.json ({} when none), exit code and output."""
+
+    run_dir: Path
+    metrics: dict
+    returncode: int | None  # None: stopped at the time limit
+    stdout: str
+    stderr: str
+    process_s: float  # start to exit, seen from outside
+    timeout_s: float | None = None
+
+    @property
+    def failure(self) -> str | None:
+        """Why the trial has no numbers (one line), or None."""
+        if self.returncode is None:
+            return f"timed out after {self.timeout_s:.0f} s"
+        if self.returncode != 0 or not self.metrics:
+            tail = (self.stderr or self.stdout).strip().splitlines()[-1:] or ["?"]
+            return f"failed: {tail[0][:120]}"
+        return None
+
+
+def run_trial(
+    command: list[str],
+    run_dir: Path,
+    timeout_s: float | None = None,
+    cwd: Path | None = None,
+    env: dict | None = None,
+) -> Trial:
+    """Run one trial process; its output is kept in run_dir/output.log."""
+    started = time.perf_counter()
+    try:
+        result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return Trial(run_dir, {}, None, "", "", time.perf_counter() - started, timeout_s)
+    process_s = time.perf_counter() - started
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "output.log").write_text(result.stdout + result.stderr)
+    metrics_file = run_dir / METRICS
+    metrics = json.loads(metrics_file.read_text()) if metrics_file.is_file() else {}
+    return Trial(run_dir, metrics, result.returncode, result.stdout, result.stderr, process_s, timeout_s)
+
+
+def steady_numbers(trial: Trial) -> dict:
+    """A trial's images/s (the median over its timed epochs), peak memory, data wait and test
+    accuracy; or only its status when it failed."""
+    if trial.failure:
+        return {"status": trial.failure}
+    timed = timed_epochs(trial.metrics["history"])
+    waits = [r["data_wait_frac"] for r in timed if r.get("data_wait_frac") is not None]
+    return {
+        "status": trial.metrics["status"],
+        "img_per_s": statistics.median(r["img_per_s"] for r in timed),
+        "peak_mem_mb": trial.metrics.get("peak_mem_mb"),
+        "data_wait_frac": statistics.median(waits) if waits else None,
+        "test_acc": trial.metrics.get("test_acc"),
+    }
+
+
+def repeat(run: Callable[[int], dict], repeats: int, label: str) -> list[dict]:
+    """run(0), ..., run(repeats - 1), each trial's images/s printed as a line as it ends."""
+    runs = []
+    for index in range(repeats):
+        started = time.perf_counter()
+        runs.append(run(index))
+        print(
+            f"  {label} | run {index + 1}: {fmt(runs[-1].get('img_per_s'), ',.0f')} img/s "
+            f"({runs[-1]['status']}, {time.perf_counter() - started:.0f} s)",
+            flush=True,
+        )
+    return runs
+
+
+def median_and_spread(runs: list[dict]) -> dict:
+    """The repeats of one setting: how many gave numbers, the median images/s and its min-max
+    spread, the median peak memory and data wait; a status that counts the failures."""
+    done = [run for run in runs if "img_per_s" in run]
+    if not done:
+        return {"runs": 0, "status": runs[-1]["status"]}
+    rates = [run["img_per_s"] for run in done]
+    waits = [run["data_wait_frac"] for run in done if run["data_wait_frac"] is not None]
+    return {
+        "runs": len(done),
+        "status": "completed" if len(done) == len(runs) else f"{len(runs) - len(done)} run(s) failed",
+        "img_per_s": statistics.median(rates),
+        "min_img_per_s": min(rates),
+        "max_img_per_s": max(rates),
+        "peak_mem_mb": statistics.median(run["peak_mem_mb"] or 0 for run in done) or None,
+        "data_wait_frac": statistics.median(waits) if waits else None,
+    }
+
+
+def median_of(runs: list[dict], key: str) -> float | None:
+    values = [run[key] for run in runs if run.get(key) is not None]
+    return statistics.median(values) if values else None
+
+
+def append_jsonl(path: Path, record: dict) -> None:
+    """One line per result, flushed at once: a series cut short keeps every finished trial."""
+    with open(path, "a") as handle:
+        handle.write(json.dumps(record) + "\n")
+
+
+def fmt(value, spec: str) -> str:
+    return "" if value is None or value == "" else format(value, spec)
+
+
+def spread(result: dict) -> str:
+    """'140,000-150,000' for a row of several runs with numbers, else ''."""
+    if not result.get("img_per_s") or int(result["runs"]) <= 1:
+        return ""
+    return f"{result['min_img_per_s']:,.0f}-{result['max_img_per_s']:,.0f}"
+
+
+def environment() -> str:
+    """The GPU, torch version and date, for a table's header."""
+    import torch
+
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    return f"{gpu}, torch {torch.__version__}, {datetime.now():%Y-%m-%d}"
