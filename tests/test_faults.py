@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SMALL, cli_environment, compose_config, run_cli
+from conftest import HANG_GUARD_S, SMALL, cli_environment, compose_config, run_cli
 from test_ddp import launched_ranks
 
 from trainer import Trainer
@@ -37,7 +37,6 @@ from trainer.config import TrainerError
 from trainer.logging import METRICS, RunLog
 
 DDP = ["ddp=true", "devices=2"]
-ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # two ranks on two cores
 LONG = "epochs=1000"  # a run that goes on until the probe stops it
 SAVES = 8  # R8: checkpoints the reader reads beside
 
@@ -82,14 +81,14 @@ def start(args: list[str], run_dir: Path, env: dict | None = None) -> subprocess
 
 
 def finish(process: subprocess.Popen, run_dir: Path, **facts) -> Outcome:
-    process.wait(timeout=240)
+    process.wait(timeout=HANG_GUARD_S)
     output = {name: (run_dir.parent / f"{run_dir.name}.{name}").read_text() for name in ("stdout", "stderr")}
     return Outcome(run_dir, process.returncode, output["stdout"], output["stderr"], facts)
 
 
 def wait_for_epoch(process: subprocess.Popen, run_dir: Path) -> None:
     """Until the run has recorded (and checkpointed) its first epoch."""
-    deadline = time.monotonic() + 240  # generous: only a hung run gets near it
+    deadline = time.monotonic() + HANG_GUARD_S
     while time.monotonic() < deadline and process.poll() is None:
         metrics = run_dir / METRICS
         if metrics.is_file() and json.loads(metrics.read_text()).get("epochs", 0) >= 1:
@@ -204,7 +203,7 @@ def killed_rank(tmp_path_factory) -> Outcome:
     (ddp_max_restarts=0). Elastic reports it as it reports any failed rank (the issue's
     `optim.lr=1e9` too): a ProcessExitedException traceback."""
     run_dir = tmp_path_factory.mktemp("killed-rank") / "run"
-    launcher = start([*small(LONG, "log_every=1"), *DDP, "ddp_max_restarts=0"], run_dir, ONE_THREAD)
+    launcher = start([*small(LONG, "log_every=1"), *DDP, "ddp_max_restarts=0"], run_dir)
     wait_for_epoch(launcher, run_dir)
     os.kill(launched_ranks(launcher.pid)[-1], signal.SIGKILL)
     return finish(launcher, run_dir)
@@ -214,7 +213,7 @@ def killed_rank(tmp_path_factory) -> Outcome:
 def stopped_ddp_run(tmp_path_factory) -> Outcome:
     """Minor: SIGTERM to a DDP run in epochs of 32 steps with log_every far beyond them."""
     run_dir = tmp_path_factory.mktemp("stopped-ddp") / "run"
-    launcher = start([*small(LONG, "data.train_size=2048", "log_every=1000"), *DDP], run_dir, ONE_THREAD)
+    launcher = start([*small(LONG, "data.train_size=2048", "log_every=1000"), *DDP], run_dir)
     wait_for_epoch(launcher, run_dir)
     launcher.send_signal(signal.SIGTERM)
     return finish(launcher, run_dir)

@@ -113,7 +113,7 @@ def test_a_real_trial_of_the_trainer(tmp_path):
     trial = trials.run_trial(
         trials.trainer_command(overrides, tmp_path / "run"),
         tmp_path / "run",
-        env=cli_environment({"OMP_NUM_THREADS": "1"}),
+        env=cli_environment(),
     )
 
     assert trial.failure is None, trial.stderr[-2000:]
