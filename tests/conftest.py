@@ -118,8 +118,19 @@ SHARED_RUN_FILES = {
     "test_data_sources.py": "real_image_run",
     "test_recipe.py": "real_image_run",
 }
-# The files that take longest, started first so that the other worker fills in around them.
-LONGEST_FIRST = ("test_ddp", "test_recipe", "test_data_sources", "test_report", "test_cli_run")
+# The files that take longest (most launch processes), started first so that the shorter ones
+# fill in around them at the end.
+LONGEST_FIRST = (
+    "test_ddp",
+    "test_faults",
+    "test_recipe",
+    "test_data_sources",
+    "test_report",
+    "test_cli_run",
+    "test_torchrun",
+    "test_toggles",
+    "test_cli_errors",
+)
 
 
 @pytest.hookimpl(optionalhook=True)
