@@ -1,9 +1,20 @@
 """DDP scaling on one multi-GPU host, with its spread and where the time goes.
 
-    python scripts/bench_ddp.py                          # scaling table + communication probe
+    python scripts/bench_ddp.py                          # probe, scaling and DataParallel groups
     python scripts/bench_ddp.py --repeats 5 --epochs 3   # more runs per row
-    python scripts/bench_ddp.py --toggles                # + each ddp_* toggle on N GPUs
+    python scripts/bench_ddp.py --groups toggles --rows bucket,view   # part of one group
     python scripts/bench_ddp.py --accuracy-root /path/to/cifar10-subset   # + DDP vs 1-GPU accuracy
+
+Row groups (--groups, each a table of its own, so that a bench too long for one sitting is
+run group by group, e.g. `probe,scaling` then `dataparallel,toggles --rows bucket,view` then
+`toggles --rows hook,static`, each about 8 minutes at 3 repeats on 2 GPUs):
+
+  probe         the communication probe, with torch's 25 MB buckets and with the default
+                ddp_bucket_cap_mb=auto (the whole gradient in one bucket)
+  scaling       perf=fast, and perf=fast data.loader=torch, on 1 and N GPUs
+  dataparallel  DataParallel beside DDP at the same settings (compile off)
+  toggles       each ddp_* toggle changed from perf=fast's defaults on N GPUs, beside the
+                1-GPU row it is measured against
 
 Scaling: ResNet-18, 512 images per GPU, `perf=fast` with the GPU-resident loader and with the
 torch DataLoader (`data.loader=torch`), on 1 and N GPUs (N = every GPU here), on CIFAR-shaped
@@ -44,36 +55,65 @@ LOADERS = {
     "torch DataLoader (perf=fast data.loader=torch)": ["perf=fast", "data.loader=torch"],
 }
 NO_COMPILE = ["perf=fast", "compile=false"]
+# Each changed from perf=fast's DDP defaults (ddp_bucket_cap_mb=auto, bucket views on).
 TOGGLES = {
+    "ddp_bucket_cap_mb=25 (torch's)": ["ddp_bucket_cap_mb=25"],
+    "ddp_bucket_cap_mb=25 ddp_gradient_as_bucket_view=false (torch's)": [
+        "ddp_bucket_cap_mb=25",
+        "ddp_gradient_as_bucket_view=false",
+    ],
+    "ddp_gradient_as_bucket_view=false": ["ddp_gradient_as_bucket_view=false"],
     "ddp_comm_hook=bf16": ["ddp_comm_hook=bf16"],
     "ddp_comm_hook=fp16": ["ddp_comm_hook=fp16"],
     "ddp_comm_hook=powersgd": ["ddp_comm_hook=powersgd"],
-    "ddp_bucket_cap_mb=100": ["ddp_bucket_cap_mb=100"],
-    "ddp_gradient_as_bucket_view=true": ["ddp_gradient_as_bucket_view=true"],
     "ddp_static_graph=true": ["ddp_static_graph=true"],
 }
+GROUPS = ("probe", "scaling", "dataparallel", "toggles")
+PROBE_BUCKETS_MB = (25.0, None)  # torch's default, then auto: the whole gradient in one bucket
 
 
 def scaling_rows(gpus: int) -> list[tuple[str, int, Row]]:
-    """(group, GPUs, row): each loader on 1 and `gpus` GPUs, then DataParallel beside DDP."""
+    """(group, GPUs, row): each loader on 1 and `gpus` GPUs."""
     rows = []
     for loader, overrides in LOADERS.items():
         rows.append((loader, 1, Row(f"{loader}, 1 GPU", overrides)))
         ddp = ["ddp=true", f"devices={gpus}"]
         rows.append((loader, gpus, Row(f"{loader}, {gpus} GPUs", [*overrides, *ddp])))
-    together = ["data_parallel=true", f"devices={gpus}", f"batch_size={PROBE_BATCH * gpus}"]
-    rows.append(("compile=false", gpus, Row(f"DataParallel, {gpus} GPUs", [*NO_COMPILE, *together])))
-    rows.append(
-        ("compile=false", gpus, Row(f"DDP, {gpus} GPUs", [*NO_COMPILE, "ddp=true", f"devices={gpus}"]))
-    )
     return rows
 
 
+def dataparallel_rows(gpus: int) -> list[tuple[str, int, Row]]:
+    """DataParallel beside DDP, compile off (DataParallel re-replicates the module every step)."""
+    together = ["data_parallel=true", f"devices={gpus}", f"batch_size={PROBE_BATCH * gpus}"]
+    return [
+        ("compile=false", gpus, Row(f"DataParallel, {gpus} GPUs", [*NO_COMPILE, *together])),
+        ("compile=false", gpus, Row(f"DDP, {gpus} GPUs", [*NO_COMPILE, "ddp=true", f"devices={gpus}"])),
+    ]
+
+
 def toggle_rows(gpus: int) -> list[tuple[str, int, Row]]:
-    """Each toggle added to DDP perf=fast on `gpus` GPUs (efficiency against the gpu loader's 1 GPU)."""
+    """Each toggle changed in DDP perf=fast on `gpus` GPUs, after the gpu loader's 1-GPU row that
+    their efficiency is measured against."""
     group, overrides = next(iter(LOADERS.items()))
     ddp = [*overrides, "ddp=true", f"devices={gpus}"]
-    return [(group, gpus, Row(f"{gpus} GPUs + {name}", [*ddp, *extra])) for name, extra in TOGGLES.items()]
+    return [
+        (group, 1, Row(f"{group}, 1 GPU", overrides)),
+        *((group, gpus, Row(f"{gpus} GPUs, {name}", [*ddp, *extra])) for name, extra in TOGGLES.items()),
+    ]
+
+
+ROW_GROUPS = {"scaling": scaling_rows, "dataparallel": dataparallel_rows, "toggles": toggle_rows}
+
+
+def selected_rows(groups: list[str], gpus: int, wanted: list[str]) -> list[tuple[str, int, Row]]:
+    """The groups' rows whose names contain one of `wanted` (all when empty); a 1-GPU row that
+    a kept row is measured against stays."""
+    named = {row[2].name: row for group in groups if group in ROW_GROUPS for row in ROW_GROUPS[group](gpus)}
+    rows = list(named.values())  # a 1-GPU row two groups share runs once
+    kept = [row for row in rows if not wanted or any(part in row[2].name for part in wanted)]
+    references = {group for group, count, _ in kept if count > 1}
+    single = [row for row in rows if row[1] == 1 and row[0] in references and row not in kept]
+    return [row for row in rows if row in kept or row in single]
 
 
 def efficiencies(results: list[dict]) -> list[float | None]:
@@ -137,14 +177,16 @@ def seconds_per_call(
     return (clock() - started) / iterations
 
 
-def probe_rank(ranks, warmup: int, iterations: int) -> dict:
-    """In each launched rank: the all-reduce and the DDP step with and without its all-reduce."""
+def probe_rank(ranks, warmup: int, iterations: int, bucket_cap_mb: float | None) -> dict:
+    """In each launched rank: the all-reduce and the DDP step with and without its all-reduce,
+    in buckets of `bucket_cap_mb` (None: ddp_bucket_cap_mb=auto, as the trainer resolves it)."""
     import torch
     from torch import nn
 
     from trainer import distributed
-    from trainer.config import ModelConfig
+    from trainer.config import ModelConfig, TrainConfig
     from trainer.models import build_model
+    from trainer.perf import bucket_cap_mb as resolved_bucket_mb
 
     device = torch.device("cuda", ranks.local_rank)
     distributed.init_process_group("nccl", ranks, device)
@@ -154,7 +196,8 @@ def probe_rank(ranks, warmup: int, iterations: int) -> dict:
             lambda: torch.distributed.all_reduce(gradient), torch.cuda.synchronize, warmup, iterations
         )
         model = build_model(ModelConfig(), num_classes=10).to(device, memory_format=torch.channels_last)
-        model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index])
+        bucket_mb = bucket_cap_mb or resolved_bucket_mb(TrainConfig(ddp_bucket_cap_mb="auto"), model)
+        model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index], bucket_cap_mb=bucket_mb)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         images = torch.randn(PROBE_BATCH, 3, 32, 32, device=device).to(memory_format=torch.channels_last)
         labels = torch.randint(0, 10, (PROBE_BATCH,), device=device)
@@ -174,6 +217,7 @@ def probe_rank(ranks, warmup: int, iterations: int) -> dict:
         no_sync_s = seconds_per_call(step_without_sync, torch.cuda.synchronize, warmup, iterations)
         return {
             "world_size": ranks.world_size,
+            "bucket_mb": bucket_mb,
             "all_reduce_s": all_reduce_s,
             "step_s": step_s,
             "no_sync_step_s": no_sync_s,
@@ -189,7 +233,7 @@ def probe_table(probe: dict) -> list[str]:
     serial = probe["all_reduce_s"] / probe["step_s"]
     all_reduce_ms = 1e3 * probe["all_reduce_s"]
     return [
-        f"| communication probe, {n} GPUs (NCCL) | value |",
+        f"| communication probe, {n} GPUs (NCCL), DDP buckets of {probe['bucket_mb']:g} MB | value |",
         "| --- | ---: |",
         f"| all-reduce of {megabytes:.1f} MB (ResNet-18's fp32 gradient) | {all_reduce_ms:.2f} ms |",
         f"| bus bandwidth | {bandwidth:.1f} GB/s |",
@@ -253,17 +297,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epochs", type=int, default=3, help="per run; the first is warm-up")
     parser.add_argument("--repeats", type=int, default=3, help="runs per row (median and spread)")
     parser.add_argument(
-        "--rows", default=None, help="only scaling rows whose name contains one of these (a,b)"
+        "--groups", default="probe,scaling,dataparallel", help=f"comma-separated: {', '.join(GROUPS)}"
     )
-    parser.add_argument("--toggles", action="store_true", help="also each ddp_* toggle on every GPU")
-    parser.add_argument("--skip-scaling", action="store_true")
-    parser.add_argument("--skip-probe", action="store_true")
+    parser.add_argument("--rows", default=None, help="only rows whose name contains one of these (a,b)")
     parser.add_argument("--probe-iterations", type=int, default=20, help="timed; after 5 warm-up")
     parser.add_argument("--accuracy-root", type=Path, help="class-folder dataset for the accuracy check")
     parser.add_argument("--accuracy-epochs", type=int, default=15)
     parser.add_argument("--row-timeout", type=float, default=300)
     parser.add_argument("--out", type=Path, default=None, help="folder for runs, logs and bench_ddp.md")
     args = parser.parse_args(argv)
+    groups = [group for group in args.groups.split(",") if group]
+    unknown = [group for group in groups if group not in GROUPS]
+    if unknown:
+        print(f"bench_ddp: unknown groups {unknown}: choose from {', '.join(GROUPS)}", file=sys.stderr)
+        return 2
     import torch
 
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
@@ -285,16 +332,13 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.epochs - 1}), {args.repeats} run(s) per row",
         "",
     ]
-    if not args.skip_probe:
-        sys.path.insert(0, str(REPO))  # the probe's ranks import the trainer from this checkout
+    if "probe" in groups:
         from trainer.distributed import launch
 
-        text += probe_table(launch(gpus, probe_rank, (5, args.probe_iterations))) + [""]
+        for bucket_mb in PROBE_BUCKETS_MB:
+            text += probe_table(launch(gpus, probe_rank, (5, args.probe_iterations, bucket_mb))) + [""]
         print("\n".join(text), flush=True)
-    rows = [] if args.skip_scaling else scaling_rows(gpus)
-    wanted = [part for part in (args.rows or "").split(",") if part]
-    rows = [r for r in rows if not wanted or any(part in r[2].name for part in wanted)]
-    rows += toggle_rows(gpus) if args.toggles else []
+    rows = selected_rows(groups, gpus, [part for part in (args.rows or "").split(",") if part])
     if rows:
         text += scaling(out, args, rows) + [""]
     if args.accuracy_root:

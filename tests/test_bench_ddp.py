@@ -27,9 +27,9 @@ def result(row: str, group: str, gpus: int, runs: list[float]) -> dict:
 
 
 def test_scaling_table_shows_median_spread_and_per_gpu_efficiency():
-    rows = bench_ddp.scaling_rows(2)
-    assert [gpus for _, gpus, _ in rows] == [1, 2, 1, 2, 2, 2]
-    assert "data_parallel=true" in rows[4][2].trainer and "batch_size=1024" in rows[4][2].trainer
+    assert [gpus for _, gpus, _ in bench_ddp.scaling_rows(2)] == [1, 2, 1, 2]
+    together = bench_ddp.dataparallel_rows(2)[0][2]
+    assert "data_parallel=true" in together.trainer and "batch_size=1024" in together.trainer
     results = [
         result("gpu, 1 GPU", "gpu", 1, [80_000, 82_000, 81_000]),
         result("gpu, 2 GPUs", "gpu", 2, [150_000, 140_000, 146_000]),
@@ -57,9 +57,10 @@ def test_probe_arithmetic_on_given_timings():
     assert (seconds, len(calls)) == (0.1, 8)
     table = "\n".join(
         bench_ddp.probe_table(
-            {"world_size": 2, "all_reduce_s": 1e-3, "step_s": 0.010, "no_sync_step_s": 0.008}
+            {"world_size": 2, "bucket_mb": 44, "all_reduce_s": 1e-3, "step_s": 0.010, "no_sync_step_s": 0.008}
         )
     )
+    assert "| communication probe, 2 GPUs (NCCL), DDP buckets of 44 MB | value |" in table
     assert "| bus bandwidth | 44.7 GB/s |" in table
     assert "| all-reduce time / step time (if none were hidden) | 10.0% |" in table
     assert "| communication not hidden behind compute | 20.0% of the step |" in table
@@ -71,3 +72,22 @@ def test_without_cuda_it_stops_with_one_line(capsys):
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err == "bench_ddp: needs 2 or more CUDA GPUs on this host (found: no CUDA)\n"
+
+
+def test_row_groups_split_the_bench_and_keep_each_rows_reference():
+    names = [row.name for _, _, row in bench_ddp.selected_rows(["toggles"], 2, ["bucket_cap"])]
+    assert names[0] == "gpu loader (perf=fast), 1 GPU"  # what the kept rows are measured against
+    assert len(names) == 3 and all("ddp_bucket_cap_mb=25" in name for name in names[1:])
+    both = bench_ddp.selected_rows(["scaling", "toggles"], 2, [])
+    assert len(both) == len({row.name for _, _, row in both}) == 4 + len(bench_ddp.TOGGLES)
+    assert [row.name for _, _, row in bench_ddp.selected_rows(["dataparallel"], 2, [])] == [
+        "DataParallel, 2 GPUs",
+        "DDP, 2 GPUs",
+    ]
+
+
+def test_an_unknown_group_is_one_line(capsys):
+    assert bench_ddp.main(["--groups", "probe,scaleing"]) == 2
+    assert capsys.readouterr().err == (
+        "bench_ddp: unknown groups ['scaleing']: choose from probe, scaling, dataparallel, toggles\n"
+    )
