@@ -121,6 +121,18 @@ def apply_backend_flags(cfg: TrainConfig, device: torch.device) -> None:
         cannot_act("tf32=true", f"TensorFloat-32 is a CUDA matmul mode, device is {device}")
 
 
+# Steps run before the clock starts when there is compiling or autotuning to do: CUDA graphs
+# are recorded on the second call and the optimizer's fused kernel is built on the first.
+WARM_UP_STEPS = 3
+
+
+def warm_up_steps(cfg: TrainConfig, device: torch.device) -> int:
+    """Steps to train (and undo) before the clock starts: where torch.compile, or cuDNN's
+    autotuning as apply_backend_flags left it, has work to do on the first shapes; else none."""
+    autotuning = device.type == "cuda" and torch.backends.cudnn.benchmark
+    return WARM_UP_STEPS if cfg.compile or autotuning else 0
+
+
 def amp_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype | None:
     """The autocast dtype, or None for full precision."""
     if not cfg.amp:

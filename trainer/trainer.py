@@ -48,10 +48,6 @@ from trainer.timing import data_wait_timer
 
 log = logging.getLogger(__name__)
 
-# Steps run before the clock starts when there is compiling or autotuning to do: CUDA graphs
-# are recorded on the second call and the optimizer's fused kernel is built on the first.
-WARM_UP_STEPS = 3
-
 
 class NonFiniteLoss(TrainerError):
     pass
@@ -284,8 +280,7 @@ class Trainer:
                 "optimizer steps: the average would never be updated and would be the random "
                 "initialization. Lower ema.update_every, or set ema.enabled=false"
             )
-        warm = cfg.compile or (cfg.cudnn_benchmark and device.type == "cuda" and not cfg.deterministic)
-        self.warm_up_steps = WARM_UP_STEPS if warm else 0
+        self.warm_up_steps = perf.warm_up_steps(cfg, device)
         self.scheduler = build_scheduler(cfg.optim, self.optimizer, self.total_steps)
         self.loss_fn = nn.CrossEntropyLoss(label_smoothing=cfg.optim.label_smoothing)
         self.autocast = perf.autocast_context(cfg, device)
