@@ -8,7 +8,6 @@ toggle cannot act on this device, one log line says so and the run carries on wi
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import logging
 import math
@@ -82,12 +81,7 @@ def unused_ddp_toggles(cfg: TrainConfig) -> None:
     """One line for the ddp_* toggles set away from their defaults where no DistributedDataParallel
     reads them: without ddp=true, or with it in a single process."""
     names = DDP_WRAPPER_TOGGLES if cfg.ddp else DDP_TOGGLES
-    defaults = {field.name: field.default for field in dataclasses.fields(TrainConfig)}
-    changed = [
-        f"{name}={override_value(getattr(cfg, name))}"
-        for name in names
-        if getattr(cfg, name) != defaults[name]
-    ]
+    changed = [f"{name}={override_value(getattr(cfg, name))}" for name in names if not at_default(cfg, name)]
     if changed:
         reason = "one process: nothing to all-reduce" if cfg.ddp else "ddp=false: no DistributedDataParallel"
         cannot_act(" / ".join(changed), reason)
