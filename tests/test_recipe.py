@@ -312,3 +312,34 @@ def test_wall_seconds_count_the_process_for_its_first_run_and_the_job_for_a_late
     timing.start_run()  # a sweep's next job in the same process
     wall, since_started = timing.wall_s(), timing.time.monotonic() - started
     assert 0 <= wall <= since_started < timing.process_age_s()  # the job's seconds, not the process's
+
+
+def test_crop_padding_bounds_the_shift_of_the_training_crops(tmp_path):
+    """With no padding a crop is the whole image: every training image is the original or its
+    mirror; with the default 4 pixels most are shifted."""
+    for padding, unshifted in ((0, True), (4, False)):
+        trainer = Trainer(compose_config(f"data.crop_padding={padding}"), tmp_path / str(padding)).build()
+        trainer.train_loader.set_epoch(0)
+        originals = trainer.train_loader.dataset.images
+        images, _ = next(iter(trainer.train_loader))
+        index = trainer.train_loader.sampler.epoch_indices()[: len(images)]
+        plain = torch.from_numpy(originals[index])
+        same = [torch.equal(image, p) or torch.equal(image, p.flip(-1)) for image, p in zip(images, plain)]
+        assert all(same) if unshifted else sum(same) < len(same) / 2
+
+
+def test_norm_bias_lr_scale_trains_the_batchnorm_shifts_in_a_group_of_their_own(tmp_path):
+    overrides = ("model=fastcnn", "data.train_size=32", "optim.norm_bias_lr_scale=64")
+    trainer = Trainer(compose_config(*overrides), tmp_path / "run").build()
+    others, shifts = trainer.optimizer.param_groups
+    norms = [m for m in trainer.raw_model.modules() if isinstance(m, nn.BatchNorm2d)]
+    assert {id(p) for p in shifts["params"]} == {id(m.bias) for m in norms}
+    assert shifts["lr"] == pytest.approx(64 * others["lr"])
+    assert shifts["weight_decay"] == pytest.approx(others["weight_decay"] / 64)
+    plain = Trainer(compose_config(*overrides[:2]), tmp_path / "plain").build()
+    assert len(plain.optimizer.param_groups) == 1
+
+
+def test_eval_from_epoch_leaves_the_earlier_epochs_unevaluated(tmp_path):
+    metrics = Trainer(compose_config("epochs=3", "eval.from_epoch=2"), tmp_path / "run").fit()
+    assert ["test_acc" in record for record in metrics["history"]] == [False, True, True]

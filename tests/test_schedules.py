@@ -72,3 +72,9 @@ def test_a_five_step_run_with_the_default_schedule_completes(tmp_path):
 
     assert (metrics["status"], metrics["steps"]) == ("completed", 5)
     assert math.isfinite(metrics["train_loss"])
+
+
+def test_the_linear_schedule_rises_from_its_start_fraction_and_falls_to_zero():
+    rates = learning_rates(Schedule.linear, 0.25, 8)  # rises over 2 steps from 0.2 of the peak
+    assert rates[:3] == pytest.approx([0.2 * PEAK_LR, 0.6 * PEAK_LR, PEAK_LR])
+    assert rates[2:] == pytest.approx([PEAK_LR * (8 - step) / 6 for step in range(2, 8)])
