@@ -53,8 +53,10 @@ def main() -> int:
     torch.set_num_threads(1)  # the main process only collects batches, as in training
     images, labels = training_images(args.data_root)
     normalize = Normalizer(torch.device("cpu"))
-    print(f"{len(labels):,} images, batch {args.batch_size}, torch {torch.__version__}, "
-          f"{len(os.sched_getaffinity(0))} cores")
+    print(
+        f"{len(labels):,} images, batch {args.batch_size}, torch {torch.__version__}, "
+        f"{len(os.sched_getaffinity(0))} cores"
+    )
     print("| workers | classic torchvision img/s | trainer img/s | trainer / classic |")
     print("| ---: | ---: | ---: | ---: |")
     for workers in (int(w) for w in args.workers.split(",")):

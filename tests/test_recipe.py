@@ -328,6 +328,26 @@ def test_crop_padding_bounds_the_shift_of_the_training_crops(tmp_path):
         assert all(same) if unshifted else sum(same) < len(same) / 2
 
 
+def test_alternating_flip_shows_every_image_both_ways_in_any_two_consecutive_epochs(tmp_path):
+    """data.flip=alternating: with no crop shift, an image's two views in epochs e and e + 1
+    are mirrors of each other; with random flips about half of them are the same view."""
+
+    def views(flip: str, epoch: int) -> dict[int, torch.Tensor]:
+        trainer = Trainer(compose_config("data.crop_padding=0", f"data.flip={flip}"), tmp_path / flip).build()
+        trainer.train_loader.set_epoch(epoch)
+        images = torch.cat([batch for batch, _ in trainer.train_loader])
+        order = trainer.train_loader.sampler.epoch_indices()[: len(images)]
+        return dict(zip(order.tolist(), images))
+
+    for flip, mirrored in (("alternating", True), ("random", False)):
+        for epoch in (0, 1):
+            first, second = views(flip, epoch), views(flip, epoch + 1)
+            shared = sorted(first.keys() & second.keys())
+            assert len(shared) > 100
+            mirrors = [torch.equal(first[i], second[i].flip(-1)) for i in shared]
+            assert all(mirrors) if mirrored else 0.3 < sum(mirrors) / len(mirrors) < 0.7
+
+
 def test_norm_bias_lr_scale_trains_the_batchnorm_shifts_in_a_group_of_their_own(tmp_path):
     overrides = ("model=fastcnn", "data.train_size=32", "optim.norm_bias_lr_scale=64")
     trainer = Trainer(compose_config(*overrides), tmp_path / "run").build()

@@ -84,6 +84,11 @@ class CompileMode(Enum):
     max_autotune_no_cudagraphs = "max-autotune-no-cudagraphs"
 
 
+class FlipMode(Enum):
+    random = "random"  # each image mirrored with probability 1/2, drawn anew every epoch
+    alternating = "alternating"  # drawn for the first epoch, inverted every other epoch after
+
+
 class TtaMode(Enum):
     none = "none"
     flip = "flip"  # the image and its mirror
@@ -127,7 +132,8 @@ class DataConfig:
     train_size: int = 5_000  # synthetic: training images
     test_size: int = 1_000  # synthetic: test images
     augment: bool = True  # random crop 32 of the zero-padded image + horizontal flip (training only)
-    crop_padding: int = 4  # augment: pixels of padding on each side, so shifts of up to this many
+    crop_padding: int = 4  # augment: zero padding on each side, so shifts of up to this many pixels
+    flip: FlipMode = FlipMode.random  # augment: how the horizontal flip is drawn
     loader: LoaderKind = LoaderKind.torch  # torch DataLoader, or gpu-resident tensors
     decode: DecodeMode = DecodeMode.auto  # imagefolder: when image files are decoded
     decode_cache: bool = False  # imagefolder: keep decoded images in <root>/.trainer-cache for the next run

@@ -31,6 +31,7 @@ from trainer.atomic import NotWritten
 from trainer.config import (
     ConfigError,
     ExportFormat,
+    FlipMode,
     LoaderKind,
     TrainConfig,
     TrainerError,
@@ -221,6 +222,7 @@ class Trainer:
             world_size=ranks.world_size,
             cutout=cfg.data.cutout,
             padding=cfg.data.crop_padding,
+            alternate_flip=cfg.data.flip is FlipMode.alternating,
         )
         if cfg.data.loader is LoaderKind.gpu:
             if device.type != "cuda":

@@ -36,15 +36,23 @@ def epoch_key(seed: int, epoch: int) -> np.uint64:
 
 
 def augmentation(
-    seed: int, epoch: int, indices: np.ndarray, padding: int = PADDING
+    seed: int, epoch: int, indices: np.ndarray, padding: int = PADDING, alternate_flip: bool = False
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(top, left, flip) of each image's random crop of the image padded by `padding` (offsets
-    0..2 x padding in the padded image) and horizontal flip in this epoch."""
+    0..2 x padding in the padded image) and horizontal flip in this epoch.
+
+    alternate_flip: each image's flip is drawn once, for epoch 0, and inverted in every odd
+    epoch, so that any two consecutive epochs show it both ways (the derandomized flip of
+    Jordan, "94% on CIFAR-10 in 3.29 seconds", 2024); otherwise it is drawn anew each epoch."""
     positions = np.uint64(2 * padding + 1)
-    bits = _mix(epoch_key(seed, epoch) ^ np.asarray(indices, dtype=np.uint64))
+    indices = np.asarray(indices, dtype=np.uint64)
+    bits = _mix(epoch_key(seed, epoch) ^ indices)
     top = (bits % positions).astype(np.int64)
     left = ((bits >> np.uint64(16)) % positions).astype(np.int64)
-    flip = ((bits >> np.uint64(32)) & np.uint64(1)).astype(bool)
+    flip_bits = _mix(epoch_key(seed, 0) ^ indices) if alternate_flip else bits
+    flip = ((flip_bits >> np.uint64(32)) & np.uint64(1)).astype(bool)
+    if alternate_flip and epoch % 2:
+        flip = ~flip
     return top, left, flip
 
 

@@ -79,9 +79,11 @@ def with_cutout(images: np.ndarray, seed: int, epoch: int, index: np.ndarray, si
 class MemoryBatches(Dataset):
     """Batches cut from uint8 images held in memory."""
 
-    def __init__(self, split: ImageSplit, seed: int, augment: bool, cutout: int, padding: int):
+    def __init__(
+        self, split: ImageSplit, seed: int, augment: bool, cutout: int, padding: int, alternate_flip: bool
+    ):
         self.labels, self.seed, self.augment, self.cutout = split.labels, seed, augment, cutout
-        self.padding = padding
+        self.padding, self.alternate_flip = padding, alternate_flip
         images = split.images.numpy()
         self.images = images
         self.windows = crop_windows(pad(images, padding)) if augment else None
@@ -92,7 +94,7 @@ class MemoryBatches(Dataset):
     def __getitem__(self, key: EpochBatch) -> Batch:
         epoch, index = key
         if self.augment:
-            crops = augmentation(self.seed, epoch, index, self.padding)
+            crops = augmentation(self.seed, epoch, index, self.padding, self.alternate_flip)
             images = crop_and_flip_numpy(self.windows, index, *crops)
         else:
             images = self.images[index]
@@ -103,9 +105,11 @@ class MemoryBatches(Dataset):
 class FileBatches(Dataset):
     """Batches decoded file by file, every epoch (folders too large to hold in memory)."""
 
-    def __init__(self, split: ImageSplit, seed: int, augment: bool, cutout: int, padding: int):
+    def __init__(
+        self, split: ImageSplit, seed: int, augment: bool, cutout: int, padding: int, alternate_flip: bool
+    ):
         self.labels, self.files, self.seed, self.augment = split.labels, split.files, seed, augment
-        self.cutout, self.padding = cutout, padding
+        self.cutout, self.padding, self.alternate_flip = cutout, padding, alternate_flip
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -114,7 +118,7 @@ class FileBatches(Dataset):
         epoch, index = key
         images = np.stack([decode_image(self.files[i]) for i in index])
         if self.augment:
-            crops = augmentation(self.seed, epoch, index, self.padding)
+            crops = augmentation(self.seed, epoch, index, self.padding, self.alternate_flip)
             images = crop_and_flip_numpy(
                 crop_windows(pad(images, self.padding)), np.arange(len(index)), *crops
             )
@@ -130,10 +134,15 @@ class EpochLoader(DataLoader):
 
 
 def batches_of(
-    split: ImageSplit, seed: int, augment: bool, cutout: int = 0, padding: int = PADDING
+    split: ImageSplit,
+    seed: int,
+    augment: bool,
+    cutout: int = 0,
+    padding: int = PADDING,
+    alternate_flip: bool = False,
 ) -> Dataset:
     kind = MemoryBatches if split.images is not None else FileBatches
-    return kind(split, seed, augment, cutout, padding)
+    return kind(split, seed, augment, cutout, padding, alternate_flip)
 
 
 def torch_loaders(
@@ -146,11 +155,13 @@ def torch_loaders(
     loader_kwargs: dict,
     cutout: int = 0,
     padding: int = PADDING,
+    alternate_flip: bool = False,
 ) -> tuple[EpochLoader, EpochLoader]:
-    """cutout: the square's size in pixels for training batches (0: none); padding: the crop's."""
+    """cutout: the square's size in pixels for training batches (0: none); padding and
+    alternate_flip: as in trainer.data.augment.augmentation."""
     loaders = []
     for split, train in ((splits.train, True), (splits.test, False)):
         sampler = EpochBatches(len(split), batch_size, seed, rank, world_size, train)
-        dataset = batches_of(split, seed, augment and train, cutout if train else 0, padding)
+        dataset = batches_of(split, seed, augment and train, cutout if train else 0, padding, alternate_flip)
         loaders.append(EpochLoader(dataset, batch_size=None, sampler=sampler, **loader_kwargs))
     return loaders[0], loaders[1]

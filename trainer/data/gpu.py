@@ -45,9 +45,10 @@ class GpuLoader:
         world_size: int = 1,
         cutout: int = 0,
         padding: int = PADDING,
+        alternate_flip: bool = False,
     ):
         self.device = images.device
-        self.padding = padding
+        self.padding, self.alternate_flip = padding, alternate_flip
         self.labels = labels
         self.batch_size = batch_size
         self.augment = augment and train
@@ -83,7 +84,7 @@ class GpuLoader:
         else:
             top, left, flip = (
                 torch.from_numpy(np.ascontiguousarray(values)).to(self.device)
-                for values in augmentation(self.seed, epoch, order[chunk], self.padding)
+                for values in augmentation(self.seed, epoch, order[chunk], self.padding, self.alternate_flip)
             )
             images = crop_and_flip(self.images, index[chunk], top, left, flip)
         if self.cutout:
@@ -105,6 +106,7 @@ def gpu_loaders(
     device: torch.device,
     cutout: int = 0,
     padding: int = PADDING,
+    alternate_flip: bool = False,
 ) -> tuple[GpuLoader, GpuLoader]:
     loaders = []
     for split, train in ((splits.train, True), (splits.test, False)):
@@ -121,6 +123,7 @@ def gpu_loaders(
                 world_size=world_size,
                 cutout=cutout,
                 padding=padding,
+                alternate_flip=alternate_flip,
             )
         )
     return loaders[0], loaders[1]
