@@ -137,13 +137,17 @@ SECTIONS: dict[str, list[Row]] = {
 }
 
 SYNTHETIC = ["data=synthetic", "data.train_size=50000", "data.test_size=10000"]
+# The peers' recipe (scripts/handwritten_loop.py), which every trainer row trains with, so that
+# a row and its peer differ only in who runs the loop: lr 0.05 per 128 images, no label
+# smoothing, a random flip each epoch, no TTA.
+PEER_RECIPE = ["optim.lr=0.05", "optim.label_smoothing=0", "data.flip=random", "eval.tta=none"]
 
 
 def command(row: Row, data: list[str], model: str, epochs: int, run_dir: Path) -> list[str]:
     """The row's process: the trainer, or its hand-written peer, at the same settings."""
     if row.handwritten is None:
         overrides = [f"model={model}", *data, "log_every=100", f"epochs={epochs}", f"eval_every={epochs}"]
-        return trainer_command([*overrides, *row.trainer], run_dir)
+        return trainer_command([*overrides, *PEER_RECIPE, *row.trainer], run_dir)
     peer = [sys.executable, str(REPO / "scripts" / "handwritten_loop.py"), *row.handwritten]
     peer += ["--model", model, "--epochs", str(epochs), "--out", str(run_dir)]
     root = next((item.split("=", 1)[1] for item in data if item.startswith("data.root=")), None)

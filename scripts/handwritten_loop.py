@@ -12,7 +12,8 @@ No config system, no logging, no checks. Two loaders, the two paths the trainer 
                     zero_grad(set_to_none=True), no conv bias before BatchNorm
 
 Both: ResNet-18 (CIFAR stem) or the cnn, SGD (lr 0.05, momentum 0.9, Nesterov, weight decay
-5e-4) with OneCycle (20% warm-up), as the trainer's defaults.
+5e-4) with OneCycle (20% warm-up), no label smoothing, a random flip each epoch, no TTA:
+scripts/bench.py runs the trainer's rows with this recipe (PEER_RECIPE).
 
     python scripts/handwritten_loop.py --loader classic --workers 2 --epochs 3 --out /tmp/hand
     python scripts/handwritten_loop.py --loader classic --loader-only --workers 2   # CPU: no model
@@ -144,7 +145,7 @@ def main() -> None:
     model = build_model(ModelConfig(name=ModelName(args.model), conv_bias=not gpu_path), 10)
     model = model.to(device, memory_format=fmt)
     step_model = torch.compile(model, mode=args.compile_mode) if gpu_path else model
-    peak_lr = 0.05 * args.batch_size / 128  # the trainer's default: 0.05 per 128 images, scaled linearly
+    peak_lr = 0.05 * args.batch_size / 128  # 0.05 per 128 images, scaled linearly
     optimizer = torch.optim.SGD(
         model.parameters(), lr=peak_lr, momentum=0.9, nesterov=True, weight_decay=5e-4, fused=gpu_path or None
     )

@@ -32,7 +32,7 @@ def test_peak_lr_arithmetic(name, scaling, global_batch, expected):
 
 def test_perf_fast_gets_four_times_the_default_lr_and_adamw_its_square_root_rule():
     fast = to_train_config(compose_config("perf=fast", small=False))
-    assert fast.batch_size == 512 and math.isclose(peak_lr(fast.optim, 512), 0.2)
+    assert fast.batch_size == 512 and math.isclose(peak_lr(fast.optim, 512), 0.4)
     adamw = to_train_config(compose_config("optim=adamw", small=False))
     assert math.isclose(peak_lr(adamw.optim, 512), 2 * adamw.optim.lr)
 
@@ -44,7 +44,7 @@ def test_the_optimizer_peaks_at_the_lr_scaled_to_batch_times_accumulation(tmp_pa
 
 
 def test_metrics_record_the_peak_lr(finished_run):
-    assert math.isclose(read_metrics(finished_run)["lr_peak"], 0.05 * 32 / 128)
+    assert math.isclose(read_metrics(finished_run)["lr_peak"], 0.1 * 32 / 128)  # SGD: 0.1 per 128 images
 
 
 def test_a_base_batch_below_one_names_the_fix():
