@@ -130,6 +130,7 @@ LONGEST_FIRST = (
     "test_torchrun",
     "test_toggles",
     "test_cli_errors",
+    "test_tune",
 )
 
 

@@ -1,0 +1,142 @@
+"""python -m trainer.tune: the search's decisions (on made-up speeds), and the tool end to end
+on the CPU with a tiny budget: its preset composes and says what its table says."""
+
+from __future__ import annotations
+
+import csv
+import subprocess
+import sys
+
+import pytest
+from conftest import HANG_GUARD_S
+
+from trainer.tune.candidates import CANDIDATES, split_for
+from trainer.tune.search import Bench, TuneError, search
+
+BY_NAME = {candidate.name: candidate for candidate in CANDIDATES}
+TRIED = [
+    BY_NAME[name]
+    for name in ("amp", "channels_last", "set_to_none", "compile", "compile_mode=reduce_overhead")
+]
+AMP, LAST, GRAPHS = (
+    BY_NAME["amp"].overrides,
+    BY_NAME["channels_last"].overrides,
+    BY_NAME["compile_mode=reduce_overhead"].overrides,
+)
+SPEEDS = {  # images/s of each setting the search should ask for
+    (): 100,
+    AMP: 150,
+    LAST: 110,
+    BY_NAME["set_to_none"].overrides: 101,  # within the 2% noise
+    BY_NAME["compile"].overrides: 130,  # pays, but less than its alternative
+    GRAPHS: 140,
+    AMP + LAST + GRAPHS: 200,
+    LAST + GRAPHS: 140,
+    AMP + GRAPHS: 199,  # without channels_last: the rest do as well
+    AMP + LAST: 160,
+}
+
+
+class MadeUpBench(Bench):
+    """Numbers from SPEEDS instead of processes; batch_size=N multiplies by (1 + N / 1000)."""
+
+    def trial(self, label, overrides):
+        batch = [o for o in overrides if o.startswith("batch_size=")]
+        toggles = frozenset(o for o in overrides if o not in batch)
+        speed = next(v for k, v in SPEEDS.items() if frozenset(k) == toggles)
+        if batch:
+            speed *= 1.3 if batch[0] == "batch_size=256" else 1.31
+        self.durations.append(0.0)
+        return {"status": "completed", "img_per_s": speed, "peak_mem_mb": None, "data_wait_frac": None}
+
+
+def test_the_search_keeps_what_pays_and_drops_what_the_rest_do_as_well_without(tmp_path):
+    bench = MadeUpBench([], tmp_path, repeats=1, budget_s=60, min_gain=0.02)
+    outcome = search(bench, TRIED, batch_sizes=[256, 512, 1024])
+    verdicts = {setting.label: setting.verdict for setting in outcome.settings}
+    assert verdicts["set_to_none"] == "within the noise"
+    assert verdicts["compile"] == "pays alone, less than compile_mode=reduce_overhead"
+    assert verdicts["without channels_last"].startswith("drop channels_last")
+    assert verdicts["without amp"].startswith("keep amp")
+    assert [c.name for c in outcome.kept] == ["amp", "compile_mode=reduce_overhead"]
+    assert outcome.final.phase == "final" and outcome.final.img_per_s == 199
+    # 512 is faster than 256 by less than the noise: the search stops there, 1024 never runs
+    assert outcome.best_batch.label == "batch_size=256" and "batch_size=1024" not in verdicts
+
+
+class OneTrialBench(MadeUpBench):
+    """A budget that the first trial spends."""
+
+    def trial(self, label, overrides):
+        self.budget_s = 0.0
+        return super().trial(label, overrides)
+
+
+def test_a_spent_budget_leaves_settings_unmeasured_not_judged(tmp_path):
+    outcome = search(OneTrialBench([], tmp_path, 1, 60, 0.02), TRIED, batch_sizes=[256])
+    assert outcome.kept == [] and outcome.final.label == "perf=default"
+    assert {s.verdict for s in outcome.settings[1:]} == {"not measured: budget spent"}
+    spent = MadeUpBench([], tmp_path, 1, budget_s=0.0, min_gain=0.02)
+    spent.durations.append(1.0)  # a trial takes a second: none fits
+    with pytest.raises(TuneError, match="the baseline run found no room in the budget"):
+        search(spent, TRIED, batch_sizes=[])
+
+
+def test_toggles_a_device_cannot_use_are_listed_with_the_reason():
+    split = split_for(list(CANDIDATES), "cpu", custom_model=True, fixed_keys={"amp"})
+    assert "needs a CUDA device" in split.not_tried["tf32"]
+    assert "built-in models only" in split.not_tried["model.conv_bias=false"]
+    assert "set on the command line" in split.not_tried["amp"]
+    assert {c.name for c in split.tryable} == {"channels_last", "set_to_none", "compile"}
+
+
+TINY = ["model=cnn", "data=synthetic", "data.train_size=128", "data.test_size=64", "batch_size=32"]
+
+
+def test_the_tuner_writes_a_preset_that_composes_and_matches_its_table(tmp_path):
+    out = tmp_path / "tuned"
+    command = [sys.executable, "-m", "trainer.tune", *TINY, "--out", str(out), "--epochs", "2"]
+    command += [
+        "--repeats",
+        "1",
+        "--toggles",
+        "channels_last,tf32",
+        "--batch-sizes",
+        "none",
+        "--min-gain",
+        "0",
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=HANG_GUARD_S)
+    assert result.returncode == 0, result.stderr
+    rows = {row["setting"]: row for row in csv.DictReader((out / "tune.csv").read_text().splitlines())}
+    assert set(rows) == {"perf=default", "channels_last"}
+    preset = (out / "perf" / "tuned.yaml").read_text()
+    assert "# not tried: tf32 (needs a CUDA device" in preset
+    kept = rows["channels_last"]["verdict"] == "pays alone"
+    assert ("\nchannels_last: true" in preset) == kept
+    shown = subprocess.run(
+        [sys.executable, "-m", "trainer", "--config-dir", str(out), "perf=tuned", *TINY, "--cfg", "job"],
+        capture_output=True,
+        text=True,
+        timeout=HANG_GUARD_S,
+    )
+    assert shown.returncode == 0, shown.stderr
+    assert f"channels_last: {str(kept).lower()}" in shown.stdout
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["epochs=5"], "the tuner sets epochs itself"),
+        (["perf=fast"], "the tuner sets perf itself"),
+        (["--toggles", "warp_drive"], "unknown toggle(s) warp_drive"),
+        (["modle=cnn"], "modle"),
+        (["--epochs", "1"], "--epochs must be at least 2"),
+    ],
+)
+def test_bad_input_costs_one_line_and_no_folder(tmp_path, arguments, message):
+    out = tmp_path / "tuned"
+    command = [sys.executable, "-m", "trainer.tune", *arguments, "--out", str(out)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=HANG_GUARD_S)
+    assert result.returncode == 2 and message in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and not out.exists()

@@ -1,0 +1,10 @@
+"""`python -m trainer.tune`: which speed toggles pay on this device, data and model, measured,
+and a perf preset (perf/tuned.yaml) that turns on exactly those.
+
+    candidates.py  the toggles the tuner tries and which of them can act on a device
+    search.py      measuring settings (one process per trial, repeats, a time budget) and
+                   deciding: add one at a time, keep what pays beyond the noise, take each out
+                   of the kept set again, then larger batches
+    output.py      tuned.yaml, tune.md, tune.csv, tune.png
+    __main__.py    the command line
+"""

@@ -1,0 +1,157 @@
+"""Find the speed toggles that pay for your run on this machine; write them as a perf preset.
+
+    python -m trainer.tune model=resnet18 data=imagefolder data.root=~/cifar10 --budget-min 20
+    trainer-tune model=cnn --out tuned --toggles amp,channels_last --repeats 2
+    python -m trainer --config-dir tuned perf=tuned model=cnn        # train with what it found
+
+Every trial is `python -m trainer` with your overrides on perf=default, run for --epochs epochs
+(images/s over the epochs after the first), --repeats times. Each toggle is added alone; those
+faster than the baseline by more than the noise (the larger min-max spread of the two, at least
+--min-gain) are kept, the best of alternatives (compile modes); the kept set is measured
+together and without each of its toggles, and a toggle the rest do as well without is dropped.
+Then larger batches are tried on the result (reported, not set: a batch changes the
+optimization). Writes <out>/perf/tuned.yaml (a comment per line: what it measured), tune.md,
+tune.csv, tune.png and trials.jsonl (every trial as it ends). Toggles that cannot act on the
+device are listed with the reason; trials the --budget-min leaves no room for are listed as not
+measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from datetime import datetime
+from pathlib import Path
+
+from trainer.cli_checks import check_composition
+from trainer.config import ConfigError, register_schema, to_train_config
+from trainer.tune.candidates import NAMES, pick, split_for
+
+PROG = "python -m trainer.tune"
+# Keys the tuner sets on every trial, or picks itself
+RESERVED = ("perf", "epochs", "eval_every", "eval.tta", "hydra.")
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """A command-line mistake costs one line (not argparse's usage block) and exit code 2."""
+
+    def error(self, message: str) -> None:
+        self.exit(2, f"tune: error: {message} (see {PROG} --help)\n")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = OneLineParser(
+        prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "overrides", nargs="*", help="the run to tune, as for python -m trainer (model=, data=, ...)"
+    )
+    parser.add_argument("--out", type=Path, help="where to write (default: outputs/tune/<date>/<time>)")
+    parser.add_argument(
+        "--budget-min", type=float, default=30.0, help="stop starting trials after this (default 30)"
+    )
+    parser.add_argument(
+        "--epochs", type=int, default=3, help="epochs per trial, the first left out (default 3)"
+    )
+    parser.add_argument("--repeats", type=int, default=3, help="trials per setting (default 3)")
+    parser.add_argument(
+        "--min-gain", type=float, default=0.02, help="least speed-up that counts (default 0.02)"
+    )
+    parser.add_argument("--toggles", help=f"comma-separated subset of: {', '.join(NAMES)} (default: all)")
+    parser.add_argument(
+        "--batch-sizes",
+        default="auto",
+        help="batch sizes to try on the result: comma-separated, none, or auto (2x and 4x the run's)",
+    )
+    args = parser.parse_args(argv)
+    if args.epochs < 2:
+        parser.error("--epochs must be at least 2: the first epoch is warm-up and left out")
+    if args.repeats < 1 or args.budget_min <= 0 or not 0 <= args.min_gain < 1:
+        parser.error("--repeats must be at least 1, --budget-min above 0 and --min-gain in [0, 1)")
+    for override in args.overrides:
+        key = override.split("=", 1)[0].lstrip("+~")
+        if override.startswith("-") or any(
+            key == r or (r.endswith(".") and key.startswith(r)) for r in RESERVED
+        ):
+            parser.error(
+                f"'{override}': the tuner sets {key.rstrip('.') or override} itself (trials run on "
+                "perf=default with --epochs): leave it out"
+            )
+    return args
+
+
+def batch_sizes(spec: str, batch_size: int) -> list[int]:
+    if spec == "auto":
+        return [2 * batch_size, 4 * batch_size]
+    if spec == "none":
+        return []
+    try:
+        sizes = [int(size) for size in spec.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise ConfigError(f"--batch-sizes must be auto, none or whole numbers like 256,512; got '{spec}'")
+    return sizes
+
+
+def prepare_out(out: Path) -> Path:
+    out = out.expanduser().absolute()
+    if (out / "trials.jsonl").exists():
+        raise ConfigError(f"{out} already holds a tune (trials.jsonl): pick another --out")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ConfigError(f"cannot make {out} ({error.strerror}): pick another --out") from None
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    register_schema()
+    try:
+        candidates = pick(args.toggles)
+        check_composition([*args.overrides, "perf=default"])
+        from hydra import compose, initialize_config_dir
+
+        from trainer.cli_checks import CONF_DIR
+
+        with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+            cfg = to_train_config(compose("config", overrides=[*args.overrides, "perf=default"]))
+        sizes = batch_sizes(args.batch_sizes, cfg.batch_size)
+        out = prepare_out(args.out or Path("outputs") / "tune" / f"{datetime.now():%Y-%m-%d/%H-%M-%S}")
+    except (ConfigError, ValueError) as error:
+        print(f"tune: error: {error}", file=sys.stderr)
+        return 2
+    import torch  # only once the command line has passed its checks
+
+    from trainer.trials import environment
+    from trainer.tune.output import write_all
+    from trainer.tune.search import Bench, TuneError, key_of, search
+
+    device = (
+        "cuda"
+        if cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available())
+        else "cpu"
+    )
+    fixed_keys = {key_of(override) for override in args.overrides}
+    split = split_for(candidates, device, cfg.model.target is not None, fixed_keys)
+    header = [
+        f"{environment()}; {args.epochs} epochs a trial (images/s over epochs 2-{args.epochs}), "
+        f"{args.repeats} trial(s) a setting, noise at least {100 * args.min_gain:.0f}%",
+        f"run: {' '.join(args.overrides) or '(no overrides)'} on perf=default",
+    ]
+    base = [*args.overrides, f"epochs={args.epochs}", f"eval_every={args.epochs}", "eval.tta=none"]
+    bench = Bench(base, out, args.repeats, 60 * args.budget_min, args.min_gain)
+    print(f"tune: {len(split.tryable)} toggle(s) to try on {device}, writing to {out}", flush=True)
+    try:
+        outcome = search(bench, split.tryable, sizes)
+    except TuneError as error:
+        print(f"tune: error: {error}", file=sys.stderr)
+        return 1
+    print(write_all(out, outcome, split.not_tried, header, args.overrides))
+    print(f"tune: wrote perf/tuned.yaml, tune.md, tune.csv, tune.png to {out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

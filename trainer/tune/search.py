@@ -1,0 +1,248 @@
+"""Measuring settings and deciding which toggles pay.
+
+A setting is the user's run (model, data, any overrides) on perf=default plus some toggles;
+it is measured as `repeats` trials, each its own process (trainer.trials: images/s without the
+first epoch, median and min-max spread). A toggle pays when the setting with it is faster than
+the one without by more than the noise: the larger relative spread of the two, and never less
+than `min_gain`.
+
+The search: the baseline; each candidate added alone (of a group of alternatives, the best
+that pays); the kept ones together; each taken out of that set again, dropped when the rest do
+as well without it; then larger batches on the result. Settings the time budget leaves no room
+for are listed as not measured.
+
+Owns: the search and its verdicts. Must not touch: the candidate list (candidates.py), what is
+written (output.py), or the trial mechanics (trainer.trials).
+"""
+
+from __future__ import annotations
+
+import shutil
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from trainer.trials import append_jsonl, median_and_spread, run_trial, steady_numbers, trainer_command
+from trainer.tune.candidates import Candidate
+
+
+class TuneError(Exception):
+    """A search that cannot go on (the baseline itself fails): one line for the user."""
+
+
+@dataclass
+class Setting:
+    phase: str  # baseline, add one, kept together, leave one out, final, batch
+    label: str
+    overrides: list[str]
+    summary: dict = field(default_factory=dict)  # trainer.trials.median_and_spread
+    reference: str = ""  # the label this setting is compared against
+    ratio: float | None = None  # its images/s over the reference's
+    noise: float | None = None  # the relative difference the repeats cannot tell from chance
+    verdict: str = ""
+
+    @property
+    def img_per_s(self) -> float | None:
+        return self.summary.get("img_per_s")
+
+    def relative_spread(self) -> float:
+        if not self.img_per_s or self.summary["runs"] < 2:
+            return 0.0
+        return (self.summary["max_img_per_s"] - self.summary["min_img_per_s"]) / self.img_per_s
+
+
+def key_of(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def on_top(base: list[str], overrides: list[str]) -> list[str]:
+    """base with overrides on top: a key set in both takes the latter's value (Hydra refuses a
+    key given twice)."""
+    keys = {key_of(override) for override in overrides}
+    return [*(override for override in base if key_of(override) not in keys), *overrides]
+
+
+def ordered_union(*override_lists: list[str] | tuple[str, ...]) -> list[str]:
+    return list(dict.fromkeys(override for overrides in override_lists for override in overrides))
+
+
+class Bench:
+    """Runs settings as trials inside a time budget; every trial's numbers go to trials.jsonl."""
+
+    def __init__(self, base: list[str], out: Path, repeats: int, budget_s: float, min_gain: float):
+        self.base, self.out, self.repeats = base, out, repeats
+        self.budget_s, self.min_gain = budget_s, min_gain
+        self.started = time.monotonic()
+        self.durations: list[float] = []
+        self.trials = 0
+
+    def affordable(self) -> bool:
+        typical = statistics.median(self.durations) if self.durations else 0.0
+        return time.monotonic() - self.started + typical <= self.budget_s
+
+    def measure(self, phase: str, label: str, overrides: list[str]) -> Setting:
+        setting = Setting(phase, label, overrides)
+        runs = []
+        for _ in range(self.repeats):
+            if not self.affordable():
+                break
+            runs.append(self.trial(label, overrides))
+        if not runs:
+            setting.summary, setting.verdict = (
+                {"runs": 0, "status": "not measured"},
+                "not measured: budget spent",
+            )
+            return setting
+        setting.summary = median_and_spread(runs)
+        if not setting.img_per_s:
+            setting.verdict = f"failed: {setting.summary['status']}"
+        print(
+            f"tune: {phase:<15} {label:<40} {setting.img_per_s or 0:>10,.0f} img/s "
+            f"({setting.summary['runs']} run(s), {time.monotonic() - self.started:.0f} s)",
+            flush=True,
+        )
+        return setting
+
+    def trial(self, label: str, overrides: list[str]) -> dict:
+        self.trials += 1
+        run_dir = self.out / "trials" / f"{self.trials:03d}"
+        remaining = max(1.0, self.budget_s - (time.monotonic() - self.started))
+        started = time.monotonic()
+        trial = run_trial(
+            trainer_command(on_top(self.base, overrides), run_dir), run_dir, timeout_s=remaining
+        )
+        self.durations.append(time.monotonic() - started)
+        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # weights of a timing run: not kept
+        numbers = steady_numbers(trial)
+        append_jsonl(
+            self.out / "trials.jsonl",
+            {"trial": self.trials, "setting": label, "overrides": overrides, **numbers},
+        )
+        return numbers
+
+    def compare(self, setting: Setting, reference: Setting) -> bool:
+        """Records setting's images/s over reference's and the noise; whether it is faster beyond it."""
+        setting.reference = reference.label
+        if not (setting.img_per_s and reference.img_per_s):
+            return False
+        setting.ratio = setting.img_per_s / reference.img_per_s
+        setting.noise = max(setting.relative_spread(), reference.relative_spread(), self.min_gain)
+        return setting.ratio - 1 > setting.noise
+
+
+@dataclass
+class Outcome:
+    settings: list[Setting]  # in the order measured
+    kept: list[Candidate]
+    final: Setting
+    best_batch: Setting | None  # a larger batch that pays, or None
+
+
+def add_one(
+    bench: Bench, baseline: Setting, candidates: list[Candidate]
+) -> tuple[list[Setting], list[Candidate]]:
+    """Each candidate alone on the baseline; kept: those that pay, the best of each group."""
+    singles = {}
+    for candidate in candidates:
+        setting = singles[candidate.name] = bench.measure(
+            "add one", candidate.name, list(candidate.overrides)
+        )
+        if setting.verdict:
+            continue
+        if bench.compare(setting, baseline):
+            setting.verdict = "pays alone"
+        else:
+            setting.verdict = "within the noise" if setting.ratio and setting.ratio >= 1 else "slower"
+    best: dict[str, Candidate] = {}
+    for candidate in candidates:
+        key, setting = candidate.group or candidate.name, singles[candidate.name]
+        if setting.verdict == "pays alone" and (
+            key not in best or setting.ratio > singles[best[key].name].ratio
+        ):
+            best[key] = candidate
+    for candidate in candidates:
+        winner = best.get(candidate.group or candidate.name)
+        if winner is not None and winner is not candidate and singles[candidate.name].verdict == "pays alone":
+            singles[candidate.name].verdict = f"pays alone, less than {winner.name}"
+    kept = [candidate for candidate in candidates if best.get(candidate.group or candidate.name) is candidate]
+    return list(singles.values()), kept
+
+
+def overrides_of(candidates: list[Candidate]) -> list[str]:
+    return ordered_union(*(candidate.overrides for candidate in candidates))
+
+
+def names_of(candidates: list[Candidate]) -> str:
+    return " + ".join(candidate.name for candidate in candidates) or "perf=default"
+
+
+def leave_one_out(bench: Bench, kept: list[Candidate]) -> tuple[list[Setting], list[Candidate], Setting]:
+    """The kept set together, then without each of its toggles: one that the rest do as well
+    without is dropped, and the remaining set measured once more."""
+    together = bench.measure("kept together", names_of(kept), overrides_of(kept))
+    settings, still = [together], []
+    if together.verdict:
+        return settings, kept, together
+    for candidate in kept:
+        without = bench.measure(
+            "leave one out",
+            f"without {candidate.name}",
+            overrides_of([c for c in kept if c is not candidate]),
+        )
+        settings.append(without)
+        if without.verdict:
+            still.append(candidate)  # not measured: no evidence against it
+            continue
+        bench.compare(without, together)
+        if 1 / without.ratio - 1 > without.noise:
+            without.verdict = f"keep {candidate.name}: the set is slower without it"
+            still.append(candidate)
+        else:
+            without.verdict = f"drop {candidate.name}: the rest do as well without it"
+    if len(still) == len(kept):
+        return settings, kept, together
+    final = bench.measure("final", names_of(still), overrides_of(still))
+    settings.append(final)
+    return settings, still, final
+
+
+def larger_batches(
+    bench: Bench, final: Setting, batch_sizes: list[int]
+) -> tuple[list[Setting], Setting | None]:
+    settings, best = [], None
+    for batch in batch_sizes:
+        setting = bench.measure("batch", f"batch_size={batch}", [*final.overrides, f"batch_size={batch}"])
+        settings.append(setting)
+        if setting.verdict:
+            break  # out of memory or out of time: a larger batch will not do better
+        reference = best or final
+        if bench.compare(setting, reference):
+            setting.verdict = "faster"
+            best = setting
+        else:
+            setting.verdict = "no faster"
+            break
+    return settings, best
+
+
+def search(bench: Bench, candidates: list[Candidate], batch_sizes: list[int]) -> Outcome:
+    baseline = bench.measure("baseline", "perf=default", [])
+    if baseline.verdict.startswith("not measured"):
+        raise TuneError("the baseline run found no room in the budget: raise --budget-min")
+    if not baseline.img_per_s:
+        raise TuneError(
+            f"the baseline run (perf=default) gave no numbers ({baseline.summary.get('status')}): "
+            f"see {bench.out / 'trials' / '001' / 'output.log'}"
+        )
+    baseline.verdict = "reference"
+    singles, kept = add_one(bench, baseline, candidates)
+    settings = [baseline, *singles]
+    final = baseline
+    if len(kept) == 1:
+        final = next(s for s in singles if s.label == kept[0].name)
+    elif kept:
+        together, kept, final = leave_one_out(bench, kept)
+        settings += together
+    batches, best_batch = larger_batches(bench, final, batch_sizes)
+    return Outcome(settings + batches, kept, final, best_batch)
