@@ -15,7 +15,7 @@ from torchvision.datasets import CIFAR10
 
 from trainer import Trainer
 from trainer.config import to_train_config
-from trainer.data import load_source
+from trainer.data import load_source, synthetic_split
 
 CIFAR10_MEAN = torch.tensor([0.4914, 0.4822, 0.4465]).view(3, 1, 1)
 CIFAR10_STD = torch.tensor([0.2470, 0.2435, 0.2616]).view(3, 1, 1)
@@ -106,3 +106,21 @@ def test_synthetic_images_depend_only_on_the_seed():
         assert torch.equal(getattr(first, split).labels, getattr(again, split).labels)
         assert not torch.equal(getattr(first, split).images, getattr(other_seed, split).images)
     assert not torch.equal(first.train.images[: len(first.test)], first.test.images)
+
+
+def test_the_example_folder_holds_the_synthetic_images_in_the_imagefolder_layout(tmp_path):
+    from trainer.data.example_folder import main
+
+    assert main(["--out", str(tmp_path), "--train", "200", "--test", "100", "--seed", "3"]) == 0
+    cfg = to_train_config(
+        compose_config("data=imagefolder", f"data.root={tmp_path}", "data.decode=once")
+    ).data
+    read = load_source(cfg, seed=0)
+    assert read.classes == [f"class{i}" for i in range(10)]  # each class has images in both splits
+    for split, size, train in ((read.train, 200, True), (read.test, 100, False)):
+        made = synthetic_split(size, train=train, seed=3)
+        order = sorted(
+            range(size), key=lambda i: (made.labels[i].item(), i)
+        )  # class folders, then file names
+        assert torch.equal(split.labels, made.labels[order]) and torch.equal(split.images, made.images[order])
+    assert main(["--out", str(tmp_path)]) == 2  # never written into twice
