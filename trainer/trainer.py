@@ -3,7 +3,8 @@
     from trainer import Trainer
     metrics = Trainer(cfg).fit()          # cfg: a composed DictConfig, a dict or a TrainConfig
 
-Every decision is taken in `build`; the step functions below it have no config branches.
+Every decision is taken in trainer/assembly.py (`build` calls it), whose `Parts` the step
+functions below run with: they have no config branches.
 """
 
 from __future__ import annotations
@@ -13,38 +14,24 @@ import copy
 import itertools
 import logging
 import math
-import os
-import random
 import signal
 import sys
 import time
 from datetime import datetime
 from pathlib import Path
 
-import numpy as np
 import torch
 from omegaconf import OmegaConf
-from torch import nn
 
 from trainer import checkpoint, distributed, evaluation, mfu, perf, run_lock, timing
+from trainer.assembly import Parts, assemble, resolve_device
 from trainer.atomic import NotWritten
-from trainer.config import (
-    ConfigError,
-    ExportFormat,
-    LoaderKind,
-    TrainConfig,
-    TrainerError,
-    to_train_config,
-)
-from trainer.data import IMAGE_SIZE, gpu_loaders, load_source, torch_loaders
+from trainer.config import ExportFormat, TrainConfig, TrainerError, to_train_config
 from trainer.distributed import Ranks
-from trainer.ema import WeightAverage, weight_average
+from trainer.ema import WeightAverage
 from trainer.export import export_model
 from trainer.logging import RunLog, SilentRunLog, configure_rank_logging, read_metrics, write_json_atomic
-from trainer.models import build_model, initialize_from_data
-from trainer.optim import build_optimizer, build_scheduler, peak_lr, scaling_rule
 from trainer.progress import Progress
-from trainer.timing import data_wait_timer
 
 log = logging.getLogger(__name__)
 
@@ -56,16 +43,6 @@ class NonFiniteLoss(TrainerError):
 def default_run_dir() -> Path:
     now = datetime.now()
     return Path("outputs") / now.strftime("%Y-%m-%d") / now.strftime("%H-%M-%S.%f")
-
-
-def resolve_device(spec: str, ranks: Ranks, ddp: bool) -> torch.device:
-    if spec == "auto":
-        spec = "cuda" if torch.cuda.is_available() else "cpu"
-    if spec.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"device={spec} but no CUDA device is visible: use device=cpu or device=auto")
-    if spec.startswith("cuda") and ddp:
-        return torch.device("cuda", ranks.local_rank)
-    return torch.device(spec)
 
 
 def accumulation_plan(micro_batches: int, accum_steps: int) -> list[tuple[int, bool]]:
@@ -98,16 +75,14 @@ class Trainer:
         self.overrides = list(overrides or [])
         self.status = "running"
         self.progress = Progress()
-        self.mfu = mfu.Meter()  # nothing counted before build
         self.stop_signal: str | None = None  # a stop every rank agreed on
         self.stop_requested: str | None = None  # the signal this process got
         self.stop_asked_at: int | None = None  # the step it came at
-        self.device: torch.device | None = None
+        self.device: torch.device | None = None  # resolved by build
         self.resumed_from: str | None = None
-        self.lr_peak: float | None = None  # set by build: optim.lr scaled to the global batch
         self.exported: str | None = None  # the inference model's file, once written
         self.ranks_record: dict = {}  # a launcher's: rank 0's metrics.json when the ranks failed
-        self.built = False
+        self.parts: Parts | None = None  # build's
 
     # ------------------------------------------------------------------ entry points
 
@@ -180,7 +155,7 @@ class Trainer:
             distributed.destroy_process_group()
 
     def _fit(self, ranks: Ranks) -> dict:
-        if not self.built:
+        if self.parts is None:
             self.build(ranks)
         previous_handlers = self._catch_stop_signals()
         self.progress.compile_s += self._warm_up()
@@ -202,114 +177,34 @@ class Trainer:
     def build(self, ranks: Ranks | None = None) -> Trainer:
         """Assemble device, data, model, optimizer and loop pieces (fit() calls this)."""
         self.ranks = ranks = ranks or self.ranks or Ranks()
-        cfg = self.cfg
-        self.device = device = resolve_device(cfg.device, ranks, cfg.ddp)
-        random.seed(cfg.seed)
-        np.random.seed(cfg.seed)
-        torch.manual_seed(cfg.seed)
-        perf.apply_backend_flags(cfg, device)
-        resume = checkpoint.load_checkpoint(cfg.resume) if cfg.resume else None
-
-        processes_per_host = int(os.environ.get("LOCAL_WORLD_SIZE", ranks.world_size))
-        decoders = max(1, len(os.sched_getaffinity(0)) // processes_per_host)
-        splits = load_source(cfg.data, cfg.seed, processes=decoders)
-        common = dict(
-            augment=cfg.data.augment,
-            batch_size=cfg.batch_size,
-            seed=cfg.seed,
-            rank=ranks.rank,
-            world_size=ranks.world_size,
-            cutout=cfg.data.cutout,
-            padding=cfg.data.crop_padding,
-        )
-        if cfg.data.loader is LoaderKind.gpu:
-            if device.type != "cuda":
-                perf.cannot_act("data.loader=gpu", f"device is {device}: the dataset stays in host memory")
-            train, test = gpu_loaders(splits, device=device, **common)
-        else:
-            loader_kwargs = perf.dataloader_kwargs(cfg, device, processes_per_host)
-            train, test = torch_loaders(splits, loader_kwargs=loader_kwargs, **common)
-        if len(train) == 0:
-            raise ConfigError(
-                f"batch_size={cfg.batch_size} x {ranks.world_size} process(es) is larger than the "
-                f"{len(splits.train)} training images: lower batch_size"
-            )
-        self.train_loader = train
-        self.batches_per_epoch = len(train)  # micro-batches; read before a resume skips any
-        self.train_batches = perf.device_batches(cfg, train, device)
-        self.test_batches = perf.device_batches(cfg, test, device)
-        self.images_per_micro_batch = cfg.batch_size * ranks.world_size
-
-        self.classes = splits.classes
-        self.raw_model = build_model(cfg.model, num_classes=len(splits.classes))
-        initialize_from_data(self.raw_model, splits.train)
-        wrap_ddp = None
-        if ranks.world_size > 1:
-
-            def wrap_ddp(module: nn.Module) -> nn.Module:
-                self.ddp_model = perf.distributed_data_parallel(cfg, module, device)
-                return self.ddp_model
-
-        self.model = perf.prepare_model(cfg, self.raw_model, device, wrap_ddp)
-        batch_shape = (cfg.batch_size, 3, IMAGE_SIZE, IMAGE_SIZE)
-        flops = mfu.flops_per_image(cfg.model, len(splits.classes), batch_shape)
-        self.mfu = mfu.meter(cfg, device, flops, ranks.world_size)
-        self.no_sync = self.ddp_model.no_sync if wrap_ddp else contextlib.nullcontext
-
-        global_batch = cfg.batch_size * ranks.world_size * cfg.grad_accum_steps
-        self.lr_peak = peak_lr(cfg.optim, global_batch)
-        log.info(
-            "peak lr %.4g: optim.lr=%g for optim.lr_base_batch=%d, scaled (%s) to the global batch %d",
-            self.lr_peak,
-            cfg.optim.lr,
-            cfg.optim.lr_base_batch,
-            scaling_rule(cfg.optim).value,
-            global_batch,
-        )
-        self.optimizer = build_optimizer(cfg.optim, self.raw_model, perf.optimizer_kwargs(cfg), self.lr_peak)
-        self.average = weight_average(cfg.ema, self.raw_model)
-        self.tta_views = evaluation.tta_views(cfg.eval.tta)
-        self.eval_plan = evaluation.Plan(cfg.eval.from_epoch, cfg.eval_every)
-        self.steps_per_epoch = math.ceil(len(train) / cfg.grad_accum_steps)
-        self.total_steps = cfg.epochs * self.steps_per_epoch
-        if cfg.max_steps is not None:
-            self.total_steps = min(self.total_steps, cfg.max_steps)
-        if cfg.ema.enabled and cfg.ema.update_every > self.total_steps:
-            raise ConfigError(
-                f"ema.update_every={cfg.ema.update_every} is more than this run's {self.total_steps} "
-                "optimizer steps: the average would never be updated and would be the random "
-                "initialization. Lower ema.update_every, or set ema.enabled=false"
-            )
-        self.warm_up_steps = perf.warm_up_steps(cfg, device)
-        self.scheduler = build_scheduler(cfg.optim, self.optimizer, self.total_steps)
-        self.loss_fn = nn.CrossEntropyLoss(label_smoothing=cfg.optim.label_smoothing)
-        self.autocast = perf.autocast_context(cfg, device)
-        self.non_finite_remedy = perf.non_finite_remedy(cfg, device)
-        self.scaler = perf.grad_scaler(cfg, device)
-        self.zero_grad = perf.zero_grad(cfg, self.optimizer)
-        self.synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-        self.timer = data_wait_timer(cfg.measure_data_wait, device.type)
+        self.device = device = resolve_device(self.cfg.device, ranks, self.cfg.ddp)
+        resume = checkpoint.load_checkpoint(self.cfg.resume) if self.cfg.resume else None
+        self.parts = assemble(self.cfg, ranks, device)
         self.stop_vote = distributed.StopVote(ranks)
-
         if resume is not None:
             self._restore(*resume)
         # Files appear only once everything above has worked.
         if ranks.is_main:
             checkpoint.remove_partial_writes(self.run_dir / checkpoint.CHECKPOINT)
         self.run_log = RunLog(self.run_dir) if ranks.is_main else SilentRunLog(self.run_dir)
-        self.profiler = perf.Profiler(cfg.profile and ranks.is_main, str(self.run_dir / "profile"))
-        log.info(
-            "run folder: %s | device: %s x%d | model: %s | data: %s (%d train, %d test)",
-            self.run_dir,
-            device,
-            ranks.world_size,
-            cfg.model.target or cfg.model.name.value,
-            cfg.data.source.value,
-            len(splits.train),
-            len(splits.test),
-        )
-        self.built = True
+        self.profiler = perf.Profiler(self.profile, str(self.run_dir / "profile"))
+        log.info("run folder: %s | %s", self.run_dir, self.description)
         return self
+
+    def __getattr__(self, name: str):
+        """The assembled parts read as the Trainer's own (trainer.optimizer, trainer.raw_model)."""
+        parts = self.__dict__.get("parts")
+        if parts is None or name.startswith("__"):
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}' (before build)")
+        return getattr(parts, name)
+
+    def __setattr__(self, name: str, value) -> None:
+        """Setting a part replaces the one the loop runs with (a test slows the batches so)."""
+        parts = self.__dict__.get("parts")
+        if parts is not None and name not in self.__dict__ and hasattr(parts, name):
+            setattr(parts, name, value)
+        else:
+            super().__setattr__(name, value)
 
     # ------------------------------------------------------------------ the loop
 
@@ -506,8 +401,7 @@ class Trainer:
             epoch = self.progress.epoch + 1
             raise NonFiniteLoss(
                 f"training loss became {losses[bad]} at optimizer step {step} (epoch {epoch}): "
-                f"lower optim.lr (now {self.cfg.optim.lr}, a peak of {self.lr_peak:.4g} at this batch)"
-                f"{self.non_finite_remedy}"
+                f"{self.non_finite_advice}"
             )
         mean = sum(losses) / len(losses)
         images_per_s = len(losses) * self.images_per_micro_batch / max(seconds, 1e-9)
@@ -587,17 +481,18 @@ class Trainer:
 
     def summary(self) -> dict:
         progress = self.progress.summary()
+        meter = self.parts.mfu if self.parts else mfu.Meter()  # nothing counted before assembly
         return {
             "status": self.status,
             **progress,
-            "mfu": self.mfu.utilization(progress["img_per_s"]),  # over the same epochs as img_per_s
-            "flops_per_image": self.mfu.flops_per_image,
+            "mfu": meter.utilization(progress["img_per_s"]),  # over the same epochs as img_per_s
+            "flops_per_image": meter.flops_per_image,
             "device": str(self.device) if self.device else self.cfg.device,
             "world_size": self.ranks.world_size if self.ranks else None,
             "torch": torch.__version__,
             "overrides": self.overrides,
             "resumed_from": self.resumed_from,
-            "lr_peak": self.lr_peak,
+            "lr_peak": self.parts.lr_peak if self.parts else None,
             "target_acc": self.cfg.target_acc,
             "export": self.exported,
             "wall_s": timing.wall_s(),
