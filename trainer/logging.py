@@ -70,6 +70,16 @@ def flatten(config: dict, prefix: str = "") -> dict:
     return flat
 
 
+def decimal(value: float | None) -> str:
+    """A number of a log line to four places, '-' where there is none."""
+    return "-" if value is None else f"{value:.4f}"
+
+
+def percent(value: float | None) -> str:
+    """A fraction of a log line as a percentage, '-' where there is none."""
+    return "-" if value is None else f"{100 * value:.1f}%"
+
+
 class RunLog:
     """Everything the main process writes into the run folder."""
 

@@ -14,35 +14,25 @@ import copy
 import itertools
 import logging
 import math
-import signal
 import sys
 import time
-from datetime import datetime
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
 
-from trainer import checkpoint, distributed, evaluation, mfu, perf, run_lock, timing
+from trainer import checkpoint, distributed, evaluation, run_lock, timing
 from trainer.assembly import Parts, assemble, resolve_device
-from trainer.atomic import NotWritten
-from trainer.config import ExportFormat, TrainConfig, TrainerError, to_train_config
+from trainer.config import TrainConfig, TrainerError, to_train_config
 from trainer.distributed import Ranks
-from trainer.ema import WeightAverage
-from trainer.export import export_model
-from trainer.logging import RunLog, SilentRunLog, configure_rank_logging, read_metrics, write_json_atomic
+from trainer.logging import configure_rank_logging, percent, read_metrics
 from trainer.progress import Progress
+from trainer.run import Run, default_run_dir, record_rejected_config
 
 log = logging.getLogger(__name__)
 
 
 class NonFiniteLoss(TrainerError):
     pass
-
-
-def default_run_dir() -> Path:
-    now = datetime.now()
-    return Path("outputs") / now.strftime("%Y-%m-%d") / now.strftime("%H-%M-%S.%f")
 
 
 def accumulation_plan(micro_batches: int, accum_steps: int) -> list[tuple[int, bool]]:
@@ -69,20 +59,12 @@ class Trainer:
     ):
         timing.start_run()
         self.cfg: TrainConfig = to_train_config(cfg)
-        self.config = OmegaConf.to_container(OmegaConf.structured(self.cfg), enum_to_str=True)
-        self.run_dir = Path(run_dir) if run_dir is not None else default_run_dir()
         self.ranks = ranks
-        self.overrides = list(overrides or [])
-        self.status = "running"
-        self.progress = Progress()
-        self.stop_signal: str | None = None  # a stop every rank agreed on
-        self.stop_requested: str | None = None  # the signal this process got
-        self.stop_asked_at: int | None = None  # the step it came at
-        self.device: torch.device | None = None  # resolved by build
-        self.resumed_from: str | None = None
-        self.exported: str | None = None  # the inference model's file, once written
-        self.ranks_record: dict = {}  # a launcher's: rank 0's metrics.json when the ranks failed
+        self.progress = Progress()  # the loop advances it; the run saves and reports it
         self.parts: Parts | None = None  # build's
+        run_dir = Path(run_dir) if run_dir is not None else default_run_dir()
+        self.run = Run(self.cfg, run_dir, list(overrides or []), self.progress)
+        self.config = self.run.config  # the resolved config, as checkpoints save it
 
     # ------------------------------------------------------------------ entry points
 
@@ -93,17 +75,13 @@ class Trainer:
         try:
             return cls(cfg, run_dir, overrides=overrides)
         except TrainerError as error:
-            with contextlib.suppress(NotWritten):  # a full disk: the error itself is what to report
-                write_json_atomic(
-                    Path(run_dir) / "metrics.json",
-                    {"status": "failed", "error": str(error), "overrides": overrides},
-                )
+            record_rejected_config(Path(run_dir), error, overrides)
             raise
 
     def fit(self) -> dict:
         """Train, evaluate, checkpoint; return the final metrics (also in metrics.json)."""
         # The process that starts the run owns its folder; ranks it launched run inside that.
-        with run_lock.owned(self.run_dir) if self.ranks is None else contextlib.nullcontext():
+        with run_lock.owned(self.run.run_dir) if self.ranks is None else contextlib.nullcontext():
             return self._fit_or_record_failure()
 
     def _fit_or_record_failure(self) -> dict:
@@ -111,7 +89,7 @@ class Trainer:
             if self.cfg.ddp and self.ranks is None and distributed.started_by_torchrun():
                 self.ranks = distributed.torchrun_ranks()
                 if not self.ranks.is_main:  # rank 0 keeps Hydra's console and log file
-                    configure_rank_logging(self.ranks, self.run_dir)
+                    configure_rank_logging(self.ranks, self.run.run_dir)
             if self.cfg.ddp and self.ranks is None:
                 return self._launch_workers()
             if self.cfg.ddp:
@@ -119,7 +97,7 @@ class Trainer:
             return self._fit(self.ranks or Ranks())
         except BaseException as error:
             if self.ranks is None or self.ranks.is_main:
-                self._record_failure(error)
+                self.run.record_failure(error, self.ranks)
             raise
 
     def _launch_workers(self) -> dict:
@@ -127,20 +105,21 @@ class Trainer:
         distributed.backend_for(self.cfg, device_type)  # refuse impossible backends before spawning
         world_size = distributed.world_size_for(self.cfg, device_type)
         log.info("ddp: launching %d processes (%s)", world_size, device_type)
-        arguments = (self.config, str(self.run_dir), self.overrides)
+        run_dir = self.run.run_dir
+        arguments = (self.config, str(run_dir), self.run.overrides)
         launched = time.time()
         try:
             metrics = distributed.launch(
-                world_size, _fit_rank, arguments, self.cfg.ddp_max_restarts, log_dir=self.run_dir
+                world_size, _fit_rank, arguments, self.cfg.ddp_max_restarts, log_dir=run_dir
             )
         except distributed.LaunchStopped:
-            metrics = read_metrics(self.run_dir)  # rank 0's, written as it stopped and saved
+            metrics = read_metrics(run_dir)  # rank 0's, written as it stopped and saved
             if metrics.get("status") != "interrupted":
                 raise
         except distributed.WorkerFailed:
-            self.ranks_record = read_metrics(self.run_dir, since=launched)  # the failure record keeps it
+            self.run.ranks_record = read_metrics(run_dir, since=launched)  # the failure record keeps it
             raise
-        self.status = metrics["status"]
+        self.run.status = metrics["status"]
         return metrics
 
     def _fit_in_process_group(self) -> dict:
@@ -157,38 +136,20 @@ class Trainer:
     def _fit(self, ranks: Ranks) -> dict:
         if self.parts is None:
             self.build(ranks)
-        previous_handlers = self._catch_stop_signals()
-        self.progress.compile_s += self._warm_up()
-        self.fit_started = time.perf_counter()
-        try:
-            self._train()
-        finally:
-            for signum, handler in previous_handlers.items():
-                signal.signal(signum, handler)
-            self.profiler.stop()
-        summary = self.summary()
-        self.run_log.metrics(summary)
-        self.run_log.hparams(self.config, summary)
-        self.run_log.close()
-        return summary
+        with self.run.training():
+            self.progress.compile_s += self._warm_up()
+            self.run.finish(self._train(started=time.perf_counter()))
+        return self.run.close()
 
     # ------------------------------------------------------------------ build: every decision
 
     def build(self, ranks: Ranks | None = None) -> Trainer:
         """Assemble device, data, model, optimizer and loop pieces (fit() calls this)."""
         self.ranks = ranks = ranks or self.ranks or Ranks()
-        self.device = device = resolve_device(self.cfg.device, ranks, self.cfg.ddp)
-        resume = checkpoint.load_checkpoint(self.cfg.resume) if self.cfg.resume else None
+        self.run.device = device = resolve_device(self.cfg.device, ranks, self.cfg.ddp)
+        resume = self.run.load_resume()
         self.parts = assemble(self.cfg, ranks, device)
-        self.stop_vote = distributed.StopVote(ranks)
-        if resume is not None:
-            self._restore(*resume)
-        # Files appear only once everything above has worked.
-        if ranks.is_main:
-            checkpoint.remove_partial_writes(self.run_dir / checkpoint.CHECKPOINT)
-        self.run_log = RunLog(self.run_dir) if ranks.is_main else SilentRunLog(self.run_dir)
-        self.profiler = perf.Profiler(self.profile, str(self.run_dir / "profile"))
-        log.info("run folder: %s | %s", self.run_dir, self.description)
+        self.run.begin(self.parts, resume)
         return self
 
     def __getattr__(self, name: str):
@@ -208,16 +169,18 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
 
-    def _train(self) -> None:
+    def _train(self, started: float) -> int:
         cfg = self.cfg
         epochs_run = 0
         while (
             self.progress.epoch < cfg.epochs
             and self.progress.step < self.total_steps
-            and not self._stop_agreed()
+            and not self.run.stop_agreed()
         ):
             record = self._train_epoch()
-            if self.stop_signal and self.progress.batch_in_epoch < self.batches_per_epoch:  # inside the epoch
+            if (
+                self.run.stop_signal and self.progress.batch_in_epoch < self.batches_per_epoch
+            ):  # inside the epoch
                 break
             self.progress.epoch += 1
             self.progress.batch_in_epoch = 0
@@ -227,69 +190,12 @@ class Trainer:
                 record.update(self.evaluate())  # its all-reduce's .tolist() waits for the device
                 record["eval_s"] = time.perf_counter() - evaluated
                 self.progress.eval_time_s += record["eval_s"]
-            record["wall_s"] = time.perf_counter() - self.fit_started
+            record["wall_s"] = time.perf_counter() - started
             self.progress.add_epoch(record)
             self.progress.note_target(record, cfg.target_acc)
-            self._report_epoch(record)
-            self._save_checkpoint()
-            self.run_log.metrics(self.summary())
+            self.run.epoch_done(record)
             epochs_run += 1
-        self.stop_vote.close()
-        if self.stop_signal:
-            self.status = "interrupted"
-            self._save_checkpoint()
-            log.warning(
-                "stopped by %s at step %d%s; checkpoint saved. Continue with resume=%s",
-                self.stop_signal,
-                self.progress.step,
-                "" if self.stop_asked_at is None else f" (asked at step {self.stop_asked_at})",
-                self.run_dir,
-            )
-        else:
-            self.status = "completed"
-            if epochs_run == 0:  # resumed from a finished run: this run's folder still gets its checkpoint
-                log.info("resume=%s had already finished: nothing left to train", cfg.resume)
-                self._save_checkpoint()
-            if cfg.export is not ExportFormat.none and self.ranks.is_main:
-                exported = export_model(self.average.module, cfg.export, self.run_dir)
-                self.exported = str(exported.relative_to(self.run_dir))  # like evaluation.json's
-
-    def _report_epoch(self, record: dict) -> None:
-        """TensorBoard scalars, one log line, and the input-pipeline hint when data is slow."""
-        cfg = self.cfg
-        self.run_log.scalars(
-            self.progress.step,
-            {
-                "train/acc": record["train_acc"],
-                "test/loss": record.get("test_loss"),
-                "test/acc": record.get("test_acc"),
-                "test/acc_tta": record.get("test_acc_tta"),
-                "perf/img_per_s": record["img_per_s"],
-                "perf/mfu": record["mfu"],
-                "perf/epoch_s": record["epoch_s"],
-                "perf/data_wait_frac": record["data_wait_frac"],
-                "perf/peak_mem_mb": record["peak_mem_mb"],
-            },
-        )
-        log.info(
-            "epoch %d/%d | step %d | loss %.4f | train acc %.4f | test acc %s | %.0f img/s | mfu %s"
-            " | data wait %s",
-            self.progress.epoch,
-            cfg.epochs,
-            self.progress.step,
-            record["train_loss"],
-            record["train_acc"],
-            _fmt(record.get("test_acc")),
-            record["img_per_s"],
-            _percent(record["mfu"]),
-            _fmt(record["data_wait_frac"]),
-        )
-        if (record["data_wait_frac"] or 0.0) > 0.2:
-            log.warning(
-                "%.0f%% of the epoch waited for data: try more num_workers, pin_memory=true"
-                " or data.loader=gpu",
-                100 * record["data_wait_frac"],
-            )
+        return epochs_run
 
     def _train_epoch(self) -> dict:
         cfg, device = self.cfg, self.device
@@ -300,7 +206,7 @@ class Trainer:
         correct = torch.zeros((), device=device, dtype=torch.long)
         window: list[torch.Tensor] = []
         loss_total, micro_batches = 0.0, 0
-        progress = self.run_log.progress(len(plan), f"epoch {self.progress.epoch + 1}/{cfg.epochs}")
+        progress = self.run.log.progress(len(plan), f"epoch {self.progress.epoch + 1}/{cfg.epochs}")
         self.synchronize()
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -313,14 +219,14 @@ class Trainer:
             if boundary:
                 self._optimizer_step()
             self.timer.step_done()
-            self.profiler.step()
+            self.run.profiler.step()
             if not boundary:
                 continue
             if self.progress.step % cfg.log_every == 0 or self.progress.step >= self.total_steps:
                 loss_total += self._log_window(window, progress, time.perf_counter() - window_started)
                 micro_batches += len(window)
                 window, window_started = [], time.perf_counter()
-            if self.progress.step >= self.total_steps or self._stop_agreed():
+            if self.progress.step >= self.total_steps or self.run.stop_agreed():
                 break
         if window:
             loss_total += self._log_window(window, progress, time.perf_counter() - window_started)
@@ -405,11 +311,11 @@ class Trainer:
             )
         mean = sum(losses) / len(losses)
         images_per_s = len(losses) * self.images_per_micro_batch / max(seconds, 1e-9)
-        self.run_log.scalars(self.progress.step, {"train/loss": mean, "lr": self.scheduler.get_last_lr()[0]})
+        self.run.log.scalars(self.progress.step, {"train/loss": mean, "lr": self.scheduler.get_last_lr()[0]})
         progress.set_postfix(
             loss=f"{mean:.3f}",
             img_s=f"{images_per_s:,.0f}",
-            mfu=_percent(self.mfu.utilization(images_per_s)),
+            mfu=percent(self.mfu.utilization(images_per_s)),
             refresh=False,
         )
         progress.update(len(losses))
@@ -421,104 +327,6 @@ class Trainer:
         return evaluation.evaluate(
             self.average.module, self.test_batches, self.tta_views, self.device, self.autocast, self.ranks
         )
-
-    # ------------------------------------------------------------------ stop, checkpoint, resume
-
-    def _catch_stop_signals(self) -> dict:
-        def request_stop(signum, _frame):
-            self.stop_requested = signal.Signals(signum).name
-            self.stop_asked_at = self.progress.step
-
-        previous = {}
-        with contextlib.suppress(ValueError):  # signals can only be caught in the main thread
-            for signum in (signal.SIGINT, signal.SIGTERM):
-                previous[signum] = signal.signal(signum, request_stop)
-        return previous
-
-    def _stop_agreed(self) -> bool:
-        """Every rank stops at the same step: a stop asked of any rank is shared (under DDP a
-        step later, so that no step waits for the vote)."""
-        if not self.stop_signal and self.stop_vote.poll(self.stop_requested is not None):
-            self.stop_signal = self.stop_requested or "a stop on another rank"
-        return self.stop_signal is not None
-
-    def _stateful(self) -> dict:
-        """Everything a checkpoint holds the state of, by name (the weight average when ema is on)."""
-        stateful = {
-            "model": self.raw_model,
-            "optimizer": self.optimizer,
-            "scheduler": self.scheduler,
-            "scaler": self.scaler,
-            "progress": self.progress,
-        }
-        if isinstance(self.average, WeightAverage):
-            stateful["ema"] = self.average
-        return stateful
-
-    def _save_checkpoint(self) -> None:
-        if self.ranks.is_main:
-            checkpoint.save(
-                self.run_dir / checkpoint.CHECKPOINT,
-                self._stateful(),
-                config=self.config,
-                total_steps=self.total_steps,
-                epoch=self.progress.epoch,  # also in progress; here for a reader of the file
-                step=self.progress.step,
-                classes=self.classes,
-            )
-
-    def _restore(self, path: Path, state: dict) -> None:
-        checkpoint.check_compatible(
-            state, self.config, self.total_steps, self.raw_model.state_dict(), self.classes
-        )
-        checkpoint.restore(self.cfg.resume, state, self._stateful())
-        self.resumed_from = str(path)
-        log.info(
-            "resumed from %s at epoch %d, step %d", self.resumed_from, self.progress.epoch, self.progress.step
-        )
-
-    # ------------------------------------------------------------------ results
-
-    def summary(self) -> dict:
-        progress = self.progress.summary()
-        meter = self.parts.mfu if self.parts else mfu.Meter()  # nothing counted before assembly
-        return {
-            "status": self.status,
-            **progress,
-            "mfu": meter.utilization(progress["img_per_s"]),  # over the same epochs as img_per_s
-            "flops_per_image": meter.flops_per_image,
-            "device": str(self.device) if self.device else self.cfg.device,
-            "world_size": self.ranks.world_size if self.ranks else None,
-            "torch": torch.__version__,
-            "overrides": self.overrides,
-            "resumed_from": self.resumed_from,
-            "lr_peak": self.parts.lr_peak if self.parts else None,
-            "target_acc": self.cfg.target_acc,
-            "export": self.exported,
-            "wall_s": timing.wall_s(),
-        }
-
-    def _record_failure(self, error: BaseException) -> None:
-        """A failed run leaves a complete metrics.json that says so (and no new checkpoint)."""
-        if isinstance(error, KeyboardInterrupt):
-            self.status = "interrupted"
-        else:
-            self.status = "failed"
-        # A launcher's own summary is empty: rank 0's record holds the run's progress.
-        summary = {**self.summary(), **self.ranks_record, "status": self.status}
-        summary["error"] = str(error).splitlines()[0] if str(error) else type(error).__name__
-        if isinstance(error, distributed.WorkerFailed):
-            summary["failed_rank"] = error.rank
-        with contextlib.suppress(NotWritten):  # a full disk: the last record stays, the error is raised
-            write_json_atomic(self.run_dir / "metrics.json", summary)
-
-
-def _fmt(value: float | None) -> str:
-    return "-" if value is None else f"{value:.4f}"
-
-
-def _percent(value: float | None) -> str:
-    return "-" if value is None else f"{100 * value:.1f}%"
 
 
 def _fit_rank(ranks: Ranks, config: dict, run_dir: str, overrides: list[str]) -> dict:
