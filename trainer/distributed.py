@@ -19,7 +19,7 @@ import socket
 import sys
 import tempfile
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,6 +107,19 @@ def is_initialized() -> bool:
 def destroy_process_group() -> None:
     if is_initialized():
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def process_group(cfg: TrainConfig, ranks: Ranks, device: torch.device) -> Iterator[None]:
+    """Inside the group the caller made, or in one made here and torn down after."""
+    if is_initialized():
+        yield
+        return
+    init_process_group(backend_for(cfg, device.type), ranks, device)
+    try:
+        yield
+    finally:
+        destroy_process_group()
 
 
 def all_reduce_sum(tensor: torch.Tensor, ranks: Ranks) -> torch.Tensor:
@@ -221,6 +234,15 @@ def launch(
         else:
             os.environ[UNSHARED_STORE] = shared_store
         shutil.rmtree(error_files, ignore_errors=True)
+
+
+def launch_ranks(cfg: TrainConfig, device_type: str, target: Callable, args: tuple, log_dir: Path) -> object:
+    """ddp=true from one process: `world_size_for` ranks of target(ranks, *args), with
+    ddp_max_restarts; settings no rank could run with are refused before any is started."""
+    backend_for(cfg, device_type)
+    world_size = world_size_for(cfg, device_type)
+    log.info("ddp: launching %d processes (%s)", world_size, device_type)
+    return launch(world_size, target, args, cfg.ddp_max_restarts, log_dir=log_dir)
 
 
 def _trainer_error_names() -> set[str]:

@@ -10,7 +10,8 @@ Owns: the checkpoint (saved after each epoch and at a stop, restored on resume),
 (after each epoch, at the end, and as the failure record of a run that fails), the TensorBoard
 events, the profiler's trace, the exported model; each epoch's report (a log line, scalars,
 the slow-input hint); SIGINT/SIGTERM as requests to stop at a step every rank agrees on; the
-summary. The Trainer holds the folder's lock (trainer/run_lock.py) around all of it.
+summary, and in a process that launched ranks, rank 0's. The folder's name is default_run_dir's
+when none is given; the Trainer holds its lock (trainer/run_lock.py) around all of the above.
 Must not touch: how the parts are built (trainer/assembly.py), the order of work in an epoch
 or a step (trainer/loop.py), process groups (trainer/distributed.py).
 """
@@ -20,7 +21,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from datetime import datetime
 from pathlib import Path
 
@@ -34,7 +36,7 @@ from trainer.config import ExportFormat, TrainConfig
 from trainer.distributed import Ranks
 from trainer.ema import WeightAverage
 from trainer.export import export_model
-from trainer.logging import METRICS, RunLog, SilentRunLog, decimal, percent, write_json_atomic
+from trainer.logging import METRICS, RunLog, SilentRunLog, decimal, percent, read_metrics, write_json_atomic
 from trainer.progress import Progress
 
 log = logging.getLogger(__name__)
@@ -54,11 +56,13 @@ def record_rejected_config(run_dir: Path, error: Exception, overrides: list[str]
 
 
 class Run:
-    def __init__(self, cfg: TrainConfig, run_dir: Path, overrides: list[str], progress: Progress):
+    def __init__(
+        self, cfg: TrainConfig, run_dir: str | Path | None, overrides: list[str] | None, progress: Progress
+    ):
         self.cfg = cfg
         self.config = OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)  # as saved
-        self.run_dir = run_dir
-        self.overrides = overrides
+        self.run_dir = Path(run_dir) if run_dir is not None else default_run_dir()
+        self.overrides = list(overrides or [])
         self.progress = progress  # the loop advances it; checkpoints and summaries read it
         self.status = "running"
         self.device: torch.device | None = None  # once resolved
@@ -84,6 +88,22 @@ class Run:
         self.log = RunLog(self.run_dir) if parts.ranks.is_main else SilentRunLog(self.run_dir)
         self.profiler = perf.Profiler(parts.profile, str(self.run_dir / "profile"))
         log.info("run folder: %s | %s", self.run_dir, parts.description)
+
+    def launched_ranks(self, launch: Callable[[], dict]) -> dict:
+        """What launch() returns: rank 0's metrics, also when the ranks stopped as asked; when a
+        rank failed, rank 0's record is kept for this process's failure record."""
+        launched = time.time()
+        try:
+            metrics = launch()
+        except distributed.LaunchStopped:
+            metrics = read_metrics(self.run_dir)  # rank 0's, written as it stopped and saved
+            if metrics.get("status") != "interrupted":
+                raise
+        except distributed.WorkerFailed:
+            self.ranks_record = read_metrics(self.run_dir, since=launched)
+            raise
+        self.status = metrics["status"]
+        return metrics
 
     # ------------------------------------------------------------------ stops
 
