@@ -289,7 +289,7 @@ class TrainConfig:
     ddp_max_restarts: int = 0  # restart the ranks from the run's last checkpoint after one dies, N times
     ddp_comm_hook: DdpCommHook = DdpCommHook.none  # gradient compression for DDP's all-reduce
     # DDP gradient bucket size in MB, one all-reduce per bucket; auto: the whole gradient in one
-    # bucket up to 128 MB, torch's 25 MB above (trainer/perf.py says why)
+    # bucket up to 128 MB, torch's 25 MB above (trainer/perf/ddp.py says why)
     ddp_bucket_cap_mb: Any = "auto"
     ddp_gradient_as_bucket_view: bool = False  # .grad are views into DDP's buckets: no copy, less memory
     ddp_static_graph: bool = False  # the same graph every step: DDP plans its buckets once

@@ -70,7 +70,7 @@ def parameter_groups(cfg: OptimConfig, model: nn.Module, lr: float) -> list[dict
 
 def build_optimizer(cfg: OptimConfig, model: nn.Module, extra: dict, lr: float) -> torch.optim.Optimizer:
     """`lr`: the peak lr for this run's batch (`peak_lr`); `extra` carries perf toggles (fused
-    kernels) decided in perf.py."""
+    kernels) decided in trainer/perf/."""
     if lr == 0:
         log.warning("optim.lr=0: the weights will not change; set e.g. optim.lr=0.05 to train")
     elif lr < VANISHING_SCALE * cfg.lr:
