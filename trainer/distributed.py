@@ -5,6 +5,11 @@ folder per run and makes `-m` sweeps safe: each job makes and tears down its own
 The launch is torch.distributed.elastic's, the engine under torchrun, with a c10d rendezvous
 on a free local port: a rank that fails ends every rank (SIGTERM, then SIGKILL after a grace
 period), so no process outlives the run; with restarts the group starts again instead.
+
+Owns: launching ranks (launch_ranks, launch), joining torchrun's group, process_group(),
+the stop vote's side group and sums over ranks. Must not touch: what the ranks train (each
+runs the Trainer it is given), the run folder (rank 0's Run writes it), the DDP wrapper's
+toggles (trainer/perf/ddp.py).
 """
 
 from __future__ import annotations

@@ -1,5 +1,9 @@
 """Run records: TensorBoard scalars and hparams, metrics.json, progress bar (rank 0 only);
-where the log lines of launched ranks and of torch elastic go."""
+where the log lines of launched ranks and of torch elastic go.
+
+Owns: how these are written (RunLog, SilentRunLog for the other ranks, metrics.json read and
+written atomically) and how numbers read in a log line. Must not touch: when they are
+written or what a run reports (trainer/run.py, trainer/loop.py)."""
 
 from __future__ import annotations
 

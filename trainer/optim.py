@@ -1,4 +1,8 @@
-"""Optimizer and learning-rate schedule from the `optim` group."""
+"""Optimizer and learning-rate schedule from the `optim` group.
+
+Owns: the optimizer and its parameter groups, the peak lr scaled to the global batch, the
+schedules. Must not touch: stepping them (trainer/loop.py), the fused-kernel toggle
+(trainer/perf/), the step budget they are built for (trainer/assembly.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""profile=true: torch.profiler over a few steps, its trace written into the run folder."""
+"""profile=true: torch.profiler over a few steps, its trace written into the run folder.
+
+Must not touch: which steps run (the loop calls step(), the run starts and stops it)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""data=cifar10: torchvision's CIFAR-10 batches, downloaded into data.root when asked."""
+"""data=cifar10: torchvision's CIFAR-10 batches, downloaded into data.root when asked.
+
+Must not touch: other sources, batching and augmentation (trainer/data/)."""
 
 from __future__ import annotations
 

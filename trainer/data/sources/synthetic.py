@@ -1,4 +1,6 @@
-"""data=synthetic: CIFAR-shaped images whose label is learnable, made from the seed alone."""
+"""data=synthetic: CIFAR-shaped images whose label is learnable, made from the seed alone.
+
+Must not touch: other sources, batching and augmentation (trainer/data/)."""
 
 from __future__ import annotations
 
