@@ -1,4 +1,7 @@
-"""Config-driven PyTorch training where every GPU optimization is a toggle."""
+"""Config-driven PyTorch training where every GPU optimization is a toggle.
+
+Owns: the package's public names (Trainer, TrainConfig, TrainerError). Must not touch: torch
+at import time (Trainer is imported on first use, so that a command-line check answers first)."""
 
 from trainer.config import TrainConfig, TrainerError
 

@@ -1,4 +1,8 @@
-"""`python -m trainer [overrides]`: one run; `python -m trainer -m ...`: a sweep."""
+"""`python -m trainer [overrides]`: one run; `python -m trainer -m ...`: a sweep.
+
+Owns: the command line: its checks before Hydra makes a folder (cli_checks.py), the run
+folder's lock, then Trainer.for_run(...).fit() in Hydra's job; exit codes, one-line errors.
+Must not touch: training (trainer/trainer.py and the modules it composes), the schema."""
 
 from __future__ import annotations
 

@@ -7,6 +7,9 @@ a leftover, and removes one only once the process named in it has ended (a kill 
 leaves one behind). A write that fails (a full disk, `ulimit -f`) removes its temporary
 file, keeps the previous file and says why in one line. No torch here: the command-line
 check imports this module.
+
+Owns: write_atomic and finding leftovers. Must not touch: what is written or when
+(trainer/checkpoint.py, trainer/logging.py, the decode cache decide).
 """
 
 from __future__ import annotations

@@ -2,6 +2,10 @@
 
 torch and numpy are imported where they are used: `resolve_checkpoint` is part of the
 command-line check, which answers before torch is loaded.
+
+Owns: the checkpoint file (what it holds, CONTENTS), saving and loading it, the RNG states,
+and the checks that a checkpoint fits the run resuming from it. Must not touch: when to save
+or restore (trainer/run.py), the parts whose states it holds.
 """
 
 from __future__ import annotations

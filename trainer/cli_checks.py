@@ -3,6 +3,8 @@
 A single run is composed and validated in full; in a sweep, each value of each swept key
 is composed with the fixed overrides. Then the folder Hydra will make is tried: it must be
 possible to create it. Either way a mistake costs one line naming the fix and no folder.
+
+Must not touch: torch (imported only once the command line has passed), the run itself.
 """
 
 from __future__ import annotations

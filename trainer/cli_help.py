@@ -4,6 +4,8 @@ The group list is made when the help is shown, from the YAML files of every conf
 on the search path (the package's conf/ and any `--config-dir`), so a user's own presets
 appear beside ours; the schema's `*_schema` entries live in Hydra's ConfigStore, not in
 those folders, so they stay out.
+
+Must not touch: the description of each key (trainer/config.py's comments are that).
 """
 
 from __future__ import annotations

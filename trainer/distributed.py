@@ -5,6 +5,11 @@ folder per run and makes `-m` sweeps safe: each job makes and tears down its own
 The launch is torch.distributed.elastic's, the engine under torchrun, with a c10d rendezvous
 on a free local port: a rank that fails ends every rank (SIGTERM, then SIGKILL after a grace
 period), so no process outlives the run; with restarts the group starts again instead.
+
+Owns: launching ranks (launch_ranks, launch), joining torchrun's group, process_group(),
+the stop vote's side group and sums over ranks. Must not touch: what the ranks train (each
+runs the Trainer it is given), the run folder (rank 0's Run writes it), the DDP wrapper's
+toggles (trainer/perf/ddp.py).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import socket
 import sys
 import tempfile
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,6 +112,19 @@ def is_initialized() -> bool:
 def destroy_process_group() -> None:
     if is_initialized():
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def process_group(cfg: TrainConfig, ranks: Ranks, device: torch.device) -> Iterator[None]:
+    """Inside the group the caller made, or in one made here and torn down after."""
+    if is_initialized():
+        yield
+        return
+    init_process_group(backend_for(cfg, device.type), ranks, device)
+    try:
+        yield
+    finally:
+        destroy_process_group()
 
 
 def all_reduce_sum(tensor: torch.Tensor, ranks: Ranks) -> torch.Tensor:
@@ -221,6 +239,15 @@ def launch(
         else:
             os.environ[UNSHARED_STORE] = shared_store
         shutil.rmtree(error_files, ignore_errors=True)
+
+
+def launch_ranks(cfg: TrainConfig, device_type: str, target: Callable, args: tuple, log_dir: Path) -> object:
+    """ddp=true from one process: `world_size_for` ranks of target(ranks, *args), with
+    ddp_max_restarts; settings no rank could run with are refused before any is started."""
+    backend_for(cfg, device_type)
+    world_size = world_size_for(cfg, device_type)
+    log.info("ddp: launching %d processes (%s)", world_size, device_type)
+    return launch(world_size, target, args, cfg.ddp_max_restarts, log_dir=log_dir)
 
 
 def _trainer_error_names() -> set[str]:

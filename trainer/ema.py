@@ -10,6 +10,9 @@ evaluating on a short run:
   (use_buffers=True): they then describe the activations of weights like the average's.
   Copying the trained model's statistics instead paired the average with statistics of other
   weights and cost 14 points of test accuracy on full CIFAR-10.
+
+Must not touch: when it updates (trainer/loop.py calls after_step), what is evaluated, saved
+or exported (the loop and the run take `.module`).
 """
 
 from __future__ import annotations

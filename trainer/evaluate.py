@@ -7,6 +7,9 @@ with ema, else its weights. The metrics are printed and written to evaluation.js
 folder; `--export` also saves the model for inference there (export/, see trainer.export).
 """
 
+# (This docstring is the command's --help.) Must not touch: training; it takes no decisions of
+# its own: the toggles come from trainer/perf/, the metrics from trainer/evaluation.py.
+
 from __future__ import annotations
 
 import argparse

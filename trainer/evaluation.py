@@ -4,6 +4,9 @@ augmentation (TTA) the accuracy of the logits averaged over several views of eac
 The views of a batch go through the model as one batch (in eval mode BatchNorm uses its
 running statistics, so this is the same as one pass per view, in fewer launches); the first
 view is the image itself, so the plain numbers come from the same pass.
+
+Owns: the TTA views, which epochs end with an evaluation (Plan), evaluate(). Must not touch:
+when the loop calls it, what the run writes.
 """
 
 from __future__ import annotations

@@ -6,6 +6,8 @@ itself and returns logits, so a user needs neither this package nor its statisti
     model = torch.export.load("export/model.pt2").module()      # export=export
     model = torch.jit.load("export/model.torchscript.pt")        # export=torchscript
     logits = model(images_uint8)
+
+Must not touch: the trained weights (it exports a CPU copy), when to export (trainer/run.py).
 """
 
 from __future__ import annotations

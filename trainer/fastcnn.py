@@ -2,6 +2,8 @@
 
 Its first conv is set from the data (`initialize_from_data`) and then fixed; trainer.models
 hands it the training images once, before training.
+
+Must not touch: the training (the loop trains it as any model).
 """
 
 from __future__ import annotations

@@ -1,5 +1,9 @@
 """Run records: TensorBoard scalars and hparams, metrics.json, progress bar (rank 0 only);
-where the log lines of launched ranks and of torch elastic go."""
+where the log lines of launched ranks and of torch elastic go.
+
+Owns: how these are written (RunLog, SilentRunLog for the other ranks, metrics.json read and
+written atomically) and how numbers read in a log line. Must not touch: when they are
+written or what a run reports (trainer/run.py, trainer/loop.py)."""
 
 from __future__ import annotations
 
@@ -68,6 +72,16 @@ def flatten(config: dict, prefix: str = "") -> dict:
         else:
             flat[prefix + key] = "null" if value is None else str(value)
     return flat
+
+
+def decimal(value: float | None) -> str:
+    """A number of a log line to four places, '-' where there is none."""
+    return "-" if value is None else f"{value:.4f}"
+
+
+def percent(value: float | None) -> str:
+    """A fraction of a log line as a percentage, '-' where there is none."""
+    return "-" if value is None else f"{100 * value:.1f}%"
 
 
 class RunLog:

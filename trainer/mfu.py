@@ -5,6 +5,8 @@ FLOPs per image are counted once per run by torch.utils.flop_counter, forward an
 at the run's batch shape, on a copy of the model built on the meta device: shapes only, so
 no memory, no arithmetic and the real model untouched. The copy has no activation
 checkpointing: its recomputation is work the hardware does, not work the model needs.
+
+Must not touch: the model that trains, the loop (it only turns images/s into a fraction).
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@ fast-training CIFAR net (fastcnn); or the user's own, from `model.target=module:
 
 A model with an `initialize_from_data(images)` method is handed the normalized training images
 (a few thousand) once, after it is built and before training: fastcnn sets its whitening conv so.
+
+Must not touch: device, memory format, wrapping and compiling (trainer/perf/model.py).
 """
 
 from __future__ import annotations

@@ -1,4 +1,8 @@
-"""Optimizer and learning-rate schedule from the `optim` group."""
+"""Optimizer and learning-rate schedule from the `optim` group.
+
+Owns: the optimizer and its parameter groups, the peak lr scaled to the global batch, the
+schedules. Must not touch: stepping them (trainer/loop.py), the fused-kernel toggle
+(trainer/perf/), the step budget they are built for (trainer/assembly.py)."""
 
 from __future__ import annotations
 
@@ -70,7 +74,7 @@ def parameter_groups(cfg: OptimConfig, model: nn.Module, lr: float) -> list[dict
 
 def build_optimizer(cfg: OptimConfig, model: nn.Module, extra: dict, lr: float) -> torch.optim.Optimizer:
     """`lr`: the peak lr for this run's batch (`peak_lr`); `extra` carries perf toggles (fused
-    kernels) decided in perf.py."""
+    kernels) decided in trainer/perf/."""
     if lr == 0:
         log.warning("optim.lr=0: the weights will not change; set e.g. optim.lr=0.05 to train")
     elif lr < VANISHING_SCALE * cfg.lr:

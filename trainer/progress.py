@@ -1,5 +1,9 @@
 """Where a run stands and what it has measured: saved in every checkpoint, summarized in
-metrics.json."""
+metrics.json.
+
+Owns: the counters (epoch, step, batch in epoch), the measured times, the epoch records and
+their summary. Must not touch: advancing them (trainer/loop.py), saving or writing them
+(trainer/run.py)."""
 
 from __future__ import annotations
 

@@ -11,6 +11,8 @@ The process that starts a run owns the folder: the Hydra job, or a `Trainer(...)
 caller. Under DDP the ranks run inside that ownership (the launcher's, or torchrun's rank 0),
 and ranks restarted by the elastic agent resume into the folder their launcher still owns.
 No torch here: the command line takes the lock before Hydra writes into the folder.
+
+Must not touch: what the run writes into the folder (trainer/run.py).
 """
 
 from __future__ import annotations

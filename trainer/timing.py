@@ -5,6 +5,9 @@ host runs ahead of the GPU, so host time in `next()` says nothing about GPU idle
 There two events per step, recorded on the compute stream without synchronizing, give
 the GPU's idle gap between the end of one step's work and the moment the next batch
 was ready; the gaps are read once, at the end of the epoch.
+
+Owns: the data-wait timers and the run's wall clock (wall_s). Must not touch: the loop (it
+wraps the batches it is given and is told when a step is done).
 """
 
 from __future__ import annotations

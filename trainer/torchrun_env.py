@@ -1,5 +1,5 @@
 """What torchrun tells each process it starts, through the environment; read without torch,
-so that the command-line check runs before torch is imported."""
+so that the command-line check runs before torch is imported. Must not touch: torch."""
 
 from __future__ import annotations
 

@@ -1,85 +1,39 @@
-"""Trainer: builds model, data and loop from a config, then fits.
+"""Trainer: the public entry point, a short composition of the assembly, the run and the loop.
 
     from trainer import Trainer
     metrics = Trainer(cfg).fit()          # cfg: a composed DictConfig, a dict or a TrainConfig
 
-Every decision is taken in `build`; the step functions below it have no config branches.
+Which file to open for a change:
+    trainer/assembly.py     a new component: config -> Parts (model, loaders, optimizer, ...)
+    trainer/loop.py         the epoch, the step, evaluation between epochs
+    trainer/run.py          the run folder: checkpoints, metrics.json, signals, the summary
+    trainer/perf/           a new optimization toggle
+    trainer/distributed.py  launching DDP ranks, the process group
+Owns: which of them runs in which process (launch ranks, join torchrun's group, or train
+here) and the order: assemble, restore, warm up, train, finish, summarize.
+Must not touch: any decision (assembly), any step of the loop (loop), any file of the run (run).
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
-import itertools
 import logging
-import math
-import os
-import random
-import signal
 import sys
 import time
-from datetime import datetime
 from pathlib import Path
 
-import numpy as np
 import torch
-from omegaconf import OmegaConf
-from torch import nn
 
-from trainer import checkpoint, distributed, evaluation, mfu, perf, run_lock, timing
-from trainer.atomic import NotWritten
-from trainer.config import (
-    ConfigError,
-    ExportFormat,
-    FlipMode,
-    LoaderKind,
-    TrainConfig,
-    TrainerError,
-    to_train_config,
-)
-from trainer.data import IMAGE_SIZE, gpu_loaders, load_source, torch_loaders
+from trainer import checkpoint, distributed, loop, run_lock, timing
+from trainer.assembly import Parts, assemble, resolve_device
+from trainer.config import TrainConfig, TrainerError, to_train_config
 from trainer.distributed import Ranks
-from trainer.ema import WeightAverage, weight_average
-from trainer.export import export_model
-from trainer.logging import RunLog, SilentRunLog, configure_rank_logging, read_metrics, write_json_atomic
-from trainer.models import build_model, initialize_from_data
-from trainer.optim import build_optimizer, build_scheduler, peak_lr, scaling_rule
+from trainer.logging import configure_rank_logging
+from trainer.loop import NonFiniteLoss, accumulation_plan  # noqa: F401 - importable from here, as before
 from trainer.progress import Progress
-from trainer.timing import data_wait_timer
+from trainer.run import Run, record_rejected_config
 
 log = logging.getLogger(__name__)
-
-
-class NonFiniteLoss(TrainerError):
-    pass
-
-
-def default_run_dir() -> Path:
-    now = datetime.now()
-    return Path("outputs") / now.strftime("%Y-%m-%d") / now.strftime("%H-%M-%S.%f")
-
-
-def resolve_device(spec: str, ranks: Ranks, ddp: bool) -> torch.device:
-    if spec == "auto":
-        spec = "cuda" if torch.cuda.is_available() else "cpu"
-    if spec.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"device={spec} but no CUDA device is visible: use device=cpu or device=auto")
-    if spec.startswith("cuda") and ddp:
-        return torch.device("cuda", ranks.local_rank)
-    return torch.device(spec)
-
-
-def accumulation_plan(micro_batches: int, accum_steps: int) -> list[tuple[int, bool]]:
-    """(loss divisor, is the last micro-batch of its optimizer step) for each micro-batch.
-
-    A trailing group shorter than accum_steps divides by its own size, so every optimizer
-    step averages the loss over exactly the micro-batches it saw."""
-    plan = []
-    for index in range(micro_batches):
-        group_start = index - index % accum_steps
-        group_size = min(accum_steps, micro_batches - group_start)
-        plan.append((group_size, index - group_start == group_size - 1))
-    return plan
 
 
 class Trainer:
@@ -93,24 +47,11 @@ class Trainer:
     ):
         timing.start_run()
         self.cfg: TrainConfig = to_train_config(cfg)
-        self.config = OmegaConf.to_container(OmegaConf.structured(self.cfg), enum_to_str=True)
-        self.run_dir = Path(run_dir) if run_dir is not None else default_run_dir()
         self.ranks = ranks
-        self.overrides = list(overrides or [])
-        self.status = "running"
-        self.progress = Progress()
-        self.mfu = mfu.Meter()  # nothing counted before build
-        self.stop_signal: str | None = None  # a stop every rank agreed on
-        self.stop_requested: str | None = None  # the signal this process got
-        self.stop_asked_at: int | None = None  # the step it came at
-        self.device: torch.device | None = None
-        self.resumed_from: str | None = None
-        self.lr_peak: float | None = None  # set by build: optim.lr scaled to the global batch
-        self.exported: str | None = None  # the inference model's file, once written
-        self.ranks_record: dict = {}  # a launcher's: rank 0's metrics.json when the ranks failed
-        self.built = False
-
-    # ------------------------------------------------------------------ entry points
+        self.progress = Progress()  # the loop advances it; the run saves and reports it
+        self.parts: Parts | None = None  # build's
+        self.run = Run(self.cfg, run_dir, overrides, self.progress)
+        self.config = self.run.config  # the resolved config, as checkpoints save it
 
     @classmethod
     def for_run(cls, cfg, run_dir: str | Path, overrides: list[str]) -> Trainer:
@@ -119,513 +60,79 @@ class Trainer:
         try:
             return cls(cfg, run_dir, overrides=overrides)
         except TrainerError as error:
-            with contextlib.suppress(NotWritten):  # a full disk: the error itself is what to report
-                write_json_atomic(
-                    Path(run_dir) / "metrics.json",
-                    {"status": "failed", "error": str(error), "overrides": overrides},
-                )
+            record_rejected_config(Path(run_dir), error, overrides)
             raise
 
     def fit(self) -> dict:
         """Train, evaluate, checkpoint; return the final metrics (also in metrics.json)."""
         # The process that starts the run owns its folder; ranks it launched run inside that.
-        with run_lock.owned(self.run_dir) if self.ranks is None else contextlib.nullcontext():
-            return self._fit_or_record_failure()
-
-    def _fit_or_record_failure(self) -> dict:
-        try:
-            if self.cfg.ddp and self.ranks is None and distributed.started_by_torchrun():
-                self.ranks = distributed.torchrun_ranks()
-                if not self.ranks.is_main:  # rank 0 keeps Hydra's console and log file
-                    configure_rank_logging(self.ranks, self.run_dir)
-            if self.cfg.ddp and self.ranks is None:
-                return self._launch_workers()
-            if self.cfg.ddp:
-                return self._fit_in_process_group()
-            return self._fit(self.ranks or Ranks())
-        except BaseException as error:
-            if self.ranks is None or self.ranks.is_main:
-                self._record_failure(error)
-            raise
-
-    def _launch_workers(self) -> dict:
-        device_type = resolve_device(self.cfg.device, Ranks(), ddp=True).type
-        distributed.backend_for(self.cfg, device_type)  # refuse impossible backends before spawning
-        world_size = distributed.world_size_for(self.cfg, device_type)
-        log.info("ddp: launching %d processes (%s)", world_size, device_type)
-        arguments = (self.config, str(self.run_dir), self.overrides)
-        launched = time.time()
-        try:
-            metrics = distributed.launch(
-                world_size, _fit_rank, arguments, self.cfg.ddp_max_restarts, log_dir=self.run_dir
-            )
-        except distributed.LaunchStopped:
-            metrics = read_metrics(self.run_dir)  # rank 0's, written as it stopped and saved
-            if metrics.get("status") != "interrupted":
+        with run_lock.owned(self.run.run_dir) if self.ranks is None else contextlib.nullcontext():
+            try:
+                return self._fit_here_or_in_ranks()
+            except BaseException as error:
+                if self.ranks is None or self.ranks.is_main:
+                    self.run.record_failure(error, self.ranks)
                 raise
-        except distributed.WorkerFailed:
-            self.ranks_record = read_metrics(self.run_dir, since=launched)  # the failure record keeps it
-            raise
-        self.status = metrics["status"]
-        return metrics
-
-    def _fit_in_process_group(self) -> dict:
-        """Inside the group the caller made, or in one made (and torn down) here."""
-        if distributed.is_initialized():
-            return self._fit(self.ranks)
-        device = resolve_device(self.cfg.device, self.ranks, ddp=True)
-        distributed.init_process_group(distributed.backend_for(self.cfg, device.type), self.ranks, device)
-        try:
-            return self._fit(self.ranks)
-        finally:
-            distributed.destroy_process_group()
-
-    def _fit(self, ranks: Ranks) -> dict:
-        if not self.built:
-            self.build(ranks)
-        previous_handlers = self._catch_stop_signals()
-        self.progress.compile_s += self._warm_up()
-        self.fit_started = time.perf_counter()
-        try:
-            self._train()
-        finally:
-            for signum, handler in previous_handlers.items():
-                signal.signal(signum, handler)
-            self.profiler.stop()
-        summary = self.summary()
-        self.run_log.metrics(summary)
-        self.run_log.hparams(self.config, summary)
-        self.run_log.close()
-        return summary
-
-    # ------------------------------------------------------------------ build: every decision
 
     def build(self, ranks: Ranks | None = None) -> Trainer:
-        """Assemble device, data, model, optimizer and loop pieces (fit() calls this)."""
+        """Assemble the parts and restore a resumed run's state into them (fit() calls this)."""
         self.ranks = ranks = ranks or self.ranks or Ranks()
-        cfg = self.cfg
-        self.device = device = resolve_device(cfg.device, ranks, cfg.ddp)
-        random.seed(cfg.seed)
-        np.random.seed(cfg.seed)
-        torch.manual_seed(cfg.seed)
-        perf.apply_backend_flags(cfg, device)
-        resume = checkpoint.load_checkpoint(cfg.resume) if cfg.resume else None
-
-        processes_per_host = int(os.environ.get("LOCAL_WORLD_SIZE", ranks.world_size))
-        decoders = max(1, len(os.sched_getaffinity(0)) // processes_per_host)
-        splits = load_source(cfg.data, cfg.seed, processes=decoders)
-        common = dict(
-            augment=cfg.data.augment,
-            batch_size=cfg.batch_size,
-            seed=cfg.seed,
-            rank=ranks.rank,
-            world_size=ranks.world_size,
-            cutout=cfg.data.cutout,
-            padding=cfg.data.crop_padding,
-            alternate_flip=cfg.data.flip is FlipMode.alternating,
-        )
-        if cfg.data.loader is LoaderKind.gpu:
-            if device.type != "cuda":
-                perf.cannot_act("data.loader=gpu", f"device is {device}: the dataset stays in host memory")
-            train, test = gpu_loaders(splits, device=device, **common)
-        else:
-            loader_kwargs = perf.dataloader_kwargs(cfg, device, processes_per_host)
-            train, test = torch_loaders(splits, loader_kwargs=loader_kwargs, **common)
-        if len(train) == 0:
-            raise ConfigError(
-                f"batch_size={cfg.batch_size} x {ranks.world_size} process(es) is larger than the "
-                f"{len(splits.train)} training images: lower batch_size"
-            )
-        self.train_loader = train
-        self.batches_per_epoch = len(train)  # micro-batches; read before a resume skips any
-        self.train_batches = perf.device_batches(cfg, train, device)
-        self.test_batches = perf.device_batches(cfg, test, device)
-        self.images_per_micro_batch = cfg.batch_size * ranks.world_size
-
-        self.classes = splits.classes
-        self.raw_model = build_model(cfg.model, num_classes=len(splits.classes))
-        initialize_from_data(self.raw_model, splits.train)
-        wrap_ddp = None
-        if ranks.world_size > 1:
-
-            def wrap_ddp(module: nn.Module) -> nn.Module:
-                self.ddp_model = perf.distributed_data_parallel(cfg, module, device)
-                return self.ddp_model
-
-        self.model = perf.prepare_model(cfg, self.raw_model, device, wrap_ddp)
-        batch_shape = (cfg.batch_size, 3, IMAGE_SIZE, IMAGE_SIZE)
-        flops = mfu.flops_per_image(cfg.model, len(splits.classes), batch_shape)
-        self.mfu = mfu.meter(cfg, device, flops, ranks.world_size)
-        self.no_sync = self.ddp_model.no_sync if wrap_ddp else contextlib.nullcontext
-
-        global_batch = cfg.batch_size * ranks.world_size * cfg.grad_accum_steps
-        self.lr_peak = peak_lr(cfg.optim, global_batch)
-        log.info(
-            "peak lr %.4g: optim.lr=%g for optim.lr_base_batch=%d, scaled (%s) to the global batch %d",
-            self.lr_peak,
-            cfg.optim.lr,
-            cfg.optim.lr_base_batch,
-            scaling_rule(cfg.optim).value,
-            global_batch,
-        )
-        self.optimizer = build_optimizer(cfg.optim, self.raw_model, perf.optimizer_kwargs(cfg), self.lr_peak)
-        self.average = weight_average(cfg.ema, self.raw_model)
-        self.tta_views = evaluation.tta_views(cfg.eval.tta)
-        self.eval_plan = evaluation.Plan(cfg.eval.from_epoch, cfg.eval_every)
-        self.steps_per_epoch = math.ceil(len(train) / cfg.grad_accum_steps)
-        self.total_steps = cfg.epochs * self.steps_per_epoch
-        if cfg.max_steps is not None:
-            self.total_steps = min(self.total_steps, cfg.max_steps)
-        if cfg.ema.enabled and cfg.ema.update_every > self.total_steps:
-            raise ConfigError(
-                f"ema.update_every={cfg.ema.update_every} is more than this run's {self.total_steps} "
-                "optimizer steps: the average would never be updated and would be the random "
-                "initialization. Lower ema.update_every, or set ema.enabled=false"
-            )
-        self.warm_up_steps = perf.warm_up_steps(cfg, device)
-        self.scheduler = build_scheduler(cfg.optim, self.optimizer, self.total_steps)
-        self.loss_fn = nn.CrossEntropyLoss(label_smoothing=cfg.optim.label_smoothing)
-        self.autocast = perf.autocast_context(cfg, device)
-        self.non_finite_remedy = perf.non_finite_remedy(cfg, device)
-        self.scaler = perf.grad_scaler(cfg, device)
-        self.zero_grad = perf.zero_grad(cfg, self.optimizer)
-        self.synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-        self.timer = data_wait_timer(cfg.measure_data_wait, device.type)
-        self.stop_vote = distributed.StopVote(ranks)
-
-        if resume is not None:
-            self._restore(*resume)
-        # Files appear only once everything above has worked.
-        if ranks.is_main:
-            checkpoint.remove_partial_writes(self.run_dir / checkpoint.CHECKPOINT)
-        self.run_log = RunLog(self.run_dir) if ranks.is_main else SilentRunLog(self.run_dir)
-        self.profiler = perf.Profiler(cfg.profile and ranks.is_main, str(self.run_dir / "profile"))
-        log.info(
-            "run folder: %s | device: %s x%d | model: %s | data: %s (%d train, %d test)",
-            self.run_dir,
-            device,
-            ranks.world_size,
-            cfg.model.target or cfg.model.name.value,
-            cfg.data.source.value,
-            len(splits.train),
-            len(splits.test),
-        )
-        self.built = True
+        self.run.device = device = resolve_device(self.cfg.device, ranks, self.cfg.ddp)
+        resume = self.run.load_resume()
+        self.parts = assemble(self.cfg, ranks, device)
+        self.run.begin(self.parts, resume)
         return self
 
-    # ------------------------------------------------------------------ the loop
-
-    def _train(self) -> None:
-        cfg = self.cfg
-        epochs_run = 0
-        while (
-            self.progress.epoch < cfg.epochs
-            and self.progress.step < self.total_steps
-            and not self._stop_agreed()
-        ):
-            record = self._train_epoch()
-            if self.stop_signal and self.progress.batch_in_epoch < self.batches_per_epoch:  # inside the epoch
-                break
-            self.progress.epoch += 1
-            self.progress.batch_in_epoch = 0
-            last = self.progress.epoch == cfg.epochs or self.progress.step >= self.total_steps
-            if self.eval_plan.due(self.progress.epoch, last):
-                evaluated = time.perf_counter()
-                record.update(self.evaluate())  # its all-reduce's .tolist() waits for the device
-                record["eval_s"] = time.perf_counter() - evaluated
-                self.progress.eval_time_s += record["eval_s"]
-            record["wall_s"] = time.perf_counter() - self.fit_started
-            self.progress.add_epoch(record)
-            self.progress.note_target(record, cfg.target_acc)
-            self._report_epoch(record)
-            self._save_checkpoint()
-            self.run_log.metrics(self.summary())
-            epochs_run += 1
-        self.stop_vote.close()
-        if self.stop_signal:
-            self.status = "interrupted"
-            self._save_checkpoint()
-            log.warning(
-                "stopped by %s at step %d%s; checkpoint saved. Continue with resume=%s",
-                self.stop_signal,
-                self.progress.step,
-                "" if self.stop_asked_at is None else f" (asked at step {self.stop_asked_at})",
-                self.run_dir,
-            )
-        else:
-            self.status = "completed"
-            if epochs_run == 0:  # resumed from a finished run: this run's folder still gets its checkpoint
-                log.info("resume=%s had already finished: nothing left to train", cfg.resume)
-                self._save_checkpoint()
-            if cfg.export is not ExportFormat.none and self.ranks.is_main:
-                exported = export_model(self.average.module, cfg.export, self.run_dir)
-                self.exported = str(exported.relative_to(self.run_dir))  # like evaluation.json's
-
-    def _report_epoch(self, record: dict) -> None:
-        """TensorBoard scalars, one log line, and the input-pipeline hint when data is slow."""
-        cfg = self.cfg
-        self.run_log.scalars(
-            self.progress.step,
-            {
-                "train/acc": record["train_acc"],
-                "test/loss": record.get("test_loss"),
-                "test/acc": record.get("test_acc"),
-                "test/acc_tta": record.get("test_acc_tta"),
-                "perf/img_per_s": record["img_per_s"],
-                "perf/mfu": record["mfu"],
-                "perf/epoch_s": record["epoch_s"],
-                "perf/data_wait_frac": record["data_wait_frac"],
-                "perf/peak_mem_mb": record["peak_mem_mb"],
-            },
-        )
-        log.info(
-            "epoch %d/%d | step %d | loss %.4f | train acc %.4f | test acc %s | %.0f img/s | mfu %s"
-            " | data wait %s",
-            self.progress.epoch,
-            cfg.epochs,
-            self.progress.step,
-            record["train_loss"],
-            record["train_acc"],
-            _fmt(record.get("test_acc")),
-            record["img_per_s"],
-            _percent(record["mfu"]),
-            _fmt(record["data_wait_frac"]),
-        )
-        if (record["data_wait_frac"] or 0.0) > 0.2:
-            log.warning(
-                "%.0f%% of the epoch waited for data: try more num_workers, pin_memory=true"
-                " or data.loader=gpu",
-                100 * record["data_wait_frac"],
-            )
-
-    def _train_epoch(self) -> dict:
-        cfg, device = self.cfg, self.device
-        self.model.train()
-        skip = self.progress.batch_in_epoch
-        self.train_loader.set_epoch(self.progress.epoch, skip)
-        plan = accumulation_plan(len(self.train_batches), cfg.grad_accum_steps)
-        correct = torch.zeros((), device=device, dtype=torch.long)
-        window: list[torch.Tensor] = []
-        loss_total, micro_batches = 0.0, 0
-        progress = self.run_log.progress(len(plan), f"epoch {self.progress.epoch + 1}/{cfg.epochs}")
-        self.synchronize()
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        started = window_started = time.perf_counter()
-        for (images, labels), (divisor, boundary) in zip(self.timer.wrap(self.train_batches), plan):
-            with contextlib.nullcontext() if boundary else self.no_sync():
-                loss, hits = self._forward_backward(images, labels, divisor)
-            window.append(loss)
-            correct += hits
-            if boundary:
-                self._optimizer_step()
-            self.timer.step_done()
-            self.profiler.step()
-            if not boundary:
-                continue
-            if self.progress.step % cfg.log_every == 0 or self.progress.step >= self.total_steps:
-                loss_total += self._log_window(window, progress, time.perf_counter() - window_started)
-                micro_batches += len(window)
-                window, window_started = [], time.perf_counter()
-            if self.progress.step >= self.total_steps or self._stop_agreed():
-                break
-        if window:
-            loss_total += self._log_window(window, progress, time.perf_counter() - window_started)
-            micro_batches += len(window)
-        self.synchronize()
-        epoch_s = time.perf_counter() - started
-        progress.close()
-        self.progress.train_time_s += epoch_s
-        self.progress.batch_in_epoch = skip + micro_batches
-        totals = distributed.all_reduce_sum(
-            torch.tensor([loss_total, float(correct), micro_batches], dtype=torch.float64, device=device),
-            self.ranks,
-        ).tolist()
-        wait = self.timer.wait_seconds()
-        images_per_s = micro_batches * self.images_per_micro_batch / epoch_s
-        return {
-            "epoch": self.progress.epoch + 1,
-            "step": self.progress.step,
-            "train_loss": totals[0] / max(totals[2], 1),
-            "train_acc": totals[1] / max(totals[2] * cfg.batch_size, 1),
-            "img_per_s": images_per_s,
-            "mfu": self.mfu.utilization(images_per_s),
-            "epoch_s": epoch_s,
-            "data_wait_frac": None if wait is None else wait / epoch_s,
-            "peak_mem_mb": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
-            "train_time_s": self.progress.train_time_s,
-        }
-
-    def _warm_up(self) -> float:
-        """Compile and autotune on the first training batches and one evaluation before the clock
-        starts, then put back every state those steps changed; returns their seconds (compile_s)."""
-        if not self.warm_up_steps:
-            return 0.0
-        started = time.perf_counter()
-        parts = {"model": self.raw_model, "optimizer": self.optimizer}
-        if self.scaler.is_enabled():
-            parts["scaler"] = self.scaler
-        saved = {name: copy.deepcopy(part.state_dict()) for name, part in parts.items()}
-        self.model.train()
-        self.train_loader.set_epoch(self.progress.epoch)
-        for images, labels in itertools.islice(self.train_batches, self.warm_up_steps):
-            self._forward_backward(images, labels, 1)
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-            self.zero_grad()
-        for name, part in parts.items():
-            part.load_state_dict(saved[name])
-        self.evaluate()  # cuDNN's autotuning of the evaluation's shapes, outside time to target
-        self.synchronize()
-        seconds = time.perf_counter() - started
-        log.info(
-            "warm-up: %d steps compiled and autotuned in %.1f s (compile_s)", self.warm_up_steps, seconds
-        )
-        return seconds
+    def evaluate(self) -> dict:
+        """Test loss and accuracy of the evaluated model (the loop calls this: a subclass may wrap it)."""
+        return loop.evaluate(self.parts)
 
     def _forward_backward(self, images: torch.Tensor, labels: torch.Tensor, divisor: int):
-        with self.autocast():
-            logits = self.model(images)
-            loss = self.loss_fn(logits, labels)
-        self.scaler.scale(loss / divisor).backward()
-        return loss.detach(), (logits.detach().argmax(dim=1) == labels).sum()
+        return loop.forward_backward(self.parts, images, labels, divisor)
 
-    def _optimizer_step(self) -> None:
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        self.zero_grad()
-        self.scheduler.step()
-        self.progress.step += 1
-        self.average.after_step(self.progress.step)
+    def __getattr__(self, name: str):
+        """The assembled parts read as the Trainer's own (trainer.optimizer, trainer.raw_model)."""
+        if self.__dict__.get("parts") is None:
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}' (before build)")
+        return getattr(self.parts, name)
 
-    def _log_window(self, window: list[torch.Tensor], progress, seconds: float) -> float:
-        """One host sync per window: read the losses, stop on NaN/inf, log. Returns their sum."""
-        losses = torch.stack(window).float().tolist()
-        bad = next((i for i, value in enumerate(losses) if not math.isfinite(value)), None)
-        if bad is not None:
-            steps_in_window = math.ceil(len(losses) / self.cfg.grad_accum_steps)
-            step = self.progress.step - steps_in_window + bad // self.cfg.grad_accum_steps + 1
-            epoch = self.progress.epoch + 1
-            raise NonFiniteLoss(
-                f"training loss became {losses[bad]} at optimizer step {step} (epoch {epoch}): "
-                f"lower optim.lr (now {self.cfg.optim.lr}, a peak of {self.lr_peak:.4g} at this batch)"
-                f"{self.non_finite_remedy}"
-            )
-        mean = sum(losses) / len(losses)
-        images_per_s = len(losses) * self.images_per_micro_batch / max(seconds, 1e-9)
-        self.run_log.scalars(self.progress.step, {"train/loss": mean, "lr": self.scheduler.get_last_lr()[0]})
-        progress.set_postfix(
-            loss=f"{mean:.3f}",
-            img_s=f"{images_per_s:,.0f}",
-            mfu=_percent(self.mfu.utilization(images_per_s)),
-            refresh=False,
-        )
-        progress.update(len(losses))
-        return sum(losses)
-
-    def evaluate(self) -> dict:
-        """Test loss and accuracy over every test image exactly once (summed across ranks), of
-        the weight average when ema is on; with eval.tta also test_acc_tta."""
-        return evaluation.evaluate(
-            self.average.module, self.test_batches, self.tta_views, self.device, self.autocast, self.ranks
-        )
-
-    # ------------------------------------------------------------------ stop, checkpoint, resume
-
-    def _catch_stop_signals(self) -> dict:
-        def request_stop(signum, _frame):
-            self.stop_requested = signal.Signals(signum).name
-            self.stop_asked_at = self.progress.step
-
-        previous = {}
-        with contextlib.suppress(ValueError):  # signals can only be caught in the main thread
-            for signum in (signal.SIGINT, signal.SIGTERM):
-                previous[signum] = signal.signal(signum, request_stop)
-        return previous
-
-    def _stop_agreed(self) -> bool:
-        """Every rank stops at the same step: a stop asked of any rank is shared (under DDP a
-        step later, so that no step waits for the vote)."""
-        if not self.stop_signal and self.stop_vote.poll(self.stop_requested is not None):
-            self.stop_signal = self.stop_requested or "a stop on another rank"
-        return self.stop_signal is not None
-
-    def _stateful(self) -> dict:
-        """Everything a checkpoint holds the state of, by name (the weight average when ema is on)."""
-        stateful = {
-            "model": self.raw_model,
-            "optimizer": self.optimizer,
-            "scheduler": self.scheduler,
-            "scaler": self.scaler,
-            "progress": self.progress,
-        }
-        if isinstance(self.average, WeightAverage):
-            stateful["ema"] = self.average
-        return stateful
-
-    def _save_checkpoint(self) -> None:
-        if self.ranks.is_main:
-            checkpoint.save(
-                self.run_dir / checkpoint.CHECKPOINT,
-                self._stateful(),
-                config=self.config,
-                total_steps=self.total_steps,
-                epoch=self.progress.epoch,  # also in progress; here for a reader of the file
-                step=self.progress.step,
-                classes=self.classes,
-            )
-
-    def _restore(self, path: Path, state: dict) -> None:
-        checkpoint.check_compatible(
-            state, self.config, self.total_steps, self.raw_model.state_dict(), self.classes
-        )
-        checkpoint.restore(self.cfg.resume, state, self._stateful())
-        self.resumed_from = str(path)
-        log.info(
-            "resumed from %s at epoch %d, step %d", self.resumed_from, self.progress.epoch, self.progress.step
-        )
-
-    # ------------------------------------------------------------------ results
-
-    def summary(self) -> dict:
-        progress = self.progress.summary()
-        return {
-            "status": self.status,
-            **progress,
-            "mfu": self.mfu.utilization(progress["img_per_s"]),  # over the same epochs as img_per_s
-            "flops_per_image": self.mfu.flops_per_image,
-            "device": str(self.device) if self.device else self.cfg.device,
-            "world_size": self.ranks.world_size if self.ranks else None,
-            "torch": torch.__version__,
-            "overrides": self.overrides,
-            "resumed_from": self.resumed_from,
-            "lr_peak": self.lr_peak,
-            "target_acc": self.cfg.target_acc,
-            "export": self.exported,
-            "wall_s": timing.wall_s(),
-        }
-
-    def _record_failure(self, error: BaseException) -> None:
-        """A failed run leaves a complete metrics.json that says so (and no new checkpoint)."""
-        if isinstance(error, KeyboardInterrupt):
-            self.status = "interrupted"
+    def __setattr__(self, name: str, value) -> None:
+        """Setting a part replaces the one the loop runs with (a test slows the batches so)."""
+        parts = self.__dict__.get("parts")
+        if parts is not None and name not in self.__dict__ and hasattr(parts, name):
+            setattr(parts, name, value)
         else:
-            self.status = "failed"
-        # A launcher's own summary is empty: rank 0's record holds the run's progress.
-        summary = {**self.summary(), **self.ranks_record, "status": self.status}
-        summary["error"] = str(error).splitlines()[0] if str(error) else type(error).__name__
-        if isinstance(error, distributed.WorkerFailed):
-            summary["failed_rank"] = error.rank
-        with contextlib.suppress(NotWritten):  # a full disk: the last record stays, the error is raised
-            write_json_atomic(self.run_dir / "metrics.json", summary)
+            super().__setattr__(name, value)
 
+    def _fit_here_or_in_ranks(self) -> dict:
+        if self.cfg.ddp and self.ranks is None and distributed.started_by_torchrun():
+            self.ranks = distributed.torchrun_ranks()
+            if not self.ranks.is_main:  # rank 0 keeps Hydra's console and log file
+                configure_rank_logging(self.ranks, self.run.run_dir)
+        if not self.cfg.ddp:
+            return self._fit(self.ranks or Ranks())
+        if self.ranks is None:
+            return self._launch_ranks()
+        device = resolve_device(self.cfg.device, self.ranks, ddp=True)
+        with distributed.process_group(self.cfg, self.ranks, device):
+            return self._fit(self.ranks)
 
-def _fmt(value: float | None) -> str:
-    return "-" if value is None else f"{value:.4f}"
+    def _fit(self, ranks: Ranks) -> dict:
+        if self.parts is None:
+            self.build(ranks)
+        with self.run.training():
+            self.progress.compile_s += loop.warm_up(self.parts, self.progress.epoch, self.evaluate)
+            started = time.perf_counter()
+            self.run.finish(loop.train(self.parts, self.progress, self.run, self.evaluate, started))
+        return self.run.close()
 
-
-def _percent(value: float | None) -> str:
-    return "-" if value is None else f"{100 * value:.1f}%"
+    def _launch_ranks(self) -> dict:
+        """ddp=true from one process: the ranks run in processes of their own, this one waits."""
+        device_type = resolve_device(self.cfg.device, Ranks(), ddp=True).type
+        arguments, run_dir = (self.config, str(self.run.run_dir), self.run.overrides), self.run.run_dir
+        return self.run.launched_ranks(
+            lambda: distributed.launch_ranks(self.cfg, device_type, _fit_rank, arguments, log_dir=run_dir)
+        )
 
 
 def _fit_rank(ranks: Ranks, config: dict, run_dir: str, overrides: list[str]) -> dict:

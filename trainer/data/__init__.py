@@ -5,6 +5,10 @@ Both loaders yield uint8 batches; `Normalizer` turns them into the model's float
 the device. Which images a rank sees and how each is augmented is a function of
 (seed, epoch, image index) alone (`augment`), so worker count, rank count, resume points
 and the loader kind leave the augmented images unchanged.
+
+Files: sources/ (each source into Splits), augment.py (order and augmentation), classic.py
+(the DataLoader path), gpu.py (the GPU-resident path); Normalizer here. Must not touch: the
+pipeline's toggles (workers, pinning, copies, prefetch: trainer/perf/inputs.py), the model.
 """
 
 from __future__ import annotations

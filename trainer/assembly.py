@@ -1,0 +1,232 @@
+"""The assembly: a config in, the `Parts` one process trains with out; every decision taken once.
+
+    parts = assemble(cfg, ranks, resolve_device(cfg.device, ranks, cfg.ddp))
+
+Owns: what a run is made of. The seeds; the data (source, loader kind, the batches as the
+device gets them); the model as the step calls it; the optimizer at the peak lr scaled to the
+global batch, its schedule, the gradient scaler and the weight average; the autocast context;
+the step budget (epochs, max_steps, accumulation) and the evaluation plan. A new component
+is a field of `Parts` and a line in one of the builders below.
+Must not touch: the optimization toggles themselves (read and applied in trainer/perf/, whose
+results this file hands on), the run folder, checkpoints and signals (trainer/run.py), the
+order of work in an epoch or a step (trainer/loop.py), process groups (trainer/distributed.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import random
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from trainer import evaluation, mfu, perf
+from trainer.config import ConfigError, FlipMode, LoaderKind, TrainConfig
+from trainer.data import IMAGE_SIZE, Splits, gpu_loaders, load_source, torch_loaders
+from trainer.distributed import Ranks
+from trainer.ema import NoAverage, WeightAverage, weight_average
+from trainer.models import build_model, initialize_from_data
+from trainer.optim import build_optimizer, build_scheduler, peak_lr, scaling_rule
+from trainer.timing import data_wait_timer
+
+log = logging.getLogger(__name__)
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+ContextFactory = Callable[[], contextlib.AbstractContextManager]
+
+
+@dataclass
+class Parts:
+    """What one process trains with. The loop reads these and nothing else: no field is a setting
+    still to be decided."""
+
+    device: torch.device
+    ranks: Ranks
+    # data: the loaders yield uint8 batches; the *_batches are them on the device, normalized
+    train_loader: object  # EpochLoader or GpuLoader: set_epoch(epoch, skip_batches) before each epoch
+    train_batches: Iterable[Batch]
+    test_batches: Iterable[Batch]
+    classes: list[str]
+    batch_size: int  # images per micro-batch in this process
+    images_per_micro_batch: int  # the same, over every process
+    batches_per_epoch: int  # micro-batches of a whole epoch (a resumed one skips some)
+    # model: raw_model holds the weights; model is what the step calls (channels_last, DDP, compile)
+    raw_model: nn.Module
+    model: nn.Module
+    ddp_model: nn.parallel.DistributedDataParallel | None
+    no_sync: ContextFactory  # around the micro-batches whose gradients are not all-reduced yet
+    average: WeightAverage | NoAverage  # what is evaluated, checkpointed and exported
+    # the step
+    loss_fn: nn.Module
+    autocast: ContextFactory
+    scaler: torch.amp.GradScaler
+    optimizer: torch.optim.Optimizer
+    zero_grad: Callable[[], None]
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    lr_peak: float  # optim.lr scaled to the global batch
+    # length and cadence
+    epochs: int
+    total_steps: int  # optimizer steps of the whole run, max_steps included
+    grad_accum_steps: int
+    log_every: int  # optimizer steps between reads of the loss (one host sync each)
+    # evaluation plan
+    eval_plan: evaluation.Plan
+    tta_views: list[evaluation.View]
+    target_acc: float | None
+    # measuring and diagnosing
+    warm_up_steps: int  # trained and undone before the clock starts (compile, cuDNN autotuning)
+    mfu: mfu.Meter
+    timer: object  # trainer.timing's data-wait timer: wrap(batches), step_done(), wait_seconds()
+    synchronize: Callable[[], None]  # waits for the device (nothing on a CPU)
+    non_finite_advice: str  # what to change when the loss stops being finite
+    profile: bool  # trace a few steps with torch.profiler (the run writes the trace)
+    description: str  # device, model and data in one line, for the run's log
+
+
+def resolve_device(spec: str, ranks: Ranks, ddp: bool) -> torch.device:
+    if spec == "auto":
+        spec = "cuda" if torch.cuda.is_available() else "cpu"
+    if spec.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"device={spec} but no CUDA device is visible: use device=cpu or device=auto")
+    if spec.startswith("cuda") and ddp:
+        return torch.device("cuda", ranks.local_rank)
+    return torch.device(spec)
+
+
+def assemble(cfg: TrainConfig, ranks: Ranks, device: torch.device) -> Parts:
+    """Seeds, backend flags, then data, model and step, in that order (the model's initial
+    weights are drawn after the seeds, as every run of this config draws them)."""
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    perf.apply_backend_flags(cfg, device)
+    splits, train_loader, train_batches, test_batches = build_data(cfg, ranks, device)
+    raw_model, model, ddp_model, meter = build_network(cfg, ranks, device, splits)
+    global_batch = cfg.batch_size * ranks.world_size * cfg.grad_accum_steps
+    lr_peak = peak_lr(cfg.optim, global_batch)
+    log.info(
+        "peak lr %.4g: optim.lr=%g for optim.lr_base_batch=%d, scaled (%s) to the global batch %d",
+        lr_peak,
+        cfg.optim.lr,
+        cfg.optim.lr_base_batch,
+        scaling_rule(cfg.optim).value,
+        global_batch,
+    )
+    optimizer = build_optimizer(cfg.optim, raw_model, perf.optimizer_kwargs(cfg), lr_peak)
+    average = weight_average(cfg.ema, raw_model)
+    total_steps = step_budget(cfg, len(train_loader))
+    warm_up_steps = perf.warm_up_steps(cfg, device)
+    scheduler = build_scheduler(cfg.optim, optimizer, total_steps)
+    autocast = perf.autocast_context(cfg, device)  # says once where amp cannot act as asked
+    non_finite_advice = (
+        f"lower optim.lr (now {cfg.optim.lr}, a peak of {lr_peak:.4g} at this batch)"
+        f"{perf.non_finite_remedy(cfg, device)}"
+    )
+    return Parts(
+        device=device,
+        ranks=ranks,
+        train_loader=train_loader,
+        train_batches=train_batches,
+        test_batches=test_batches,
+        classes=splits.classes,
+        batch_size=cfg.batch_size,
+        images_per_micro_batch=cfg.batch_size * ranks.world_size,
+        batches_per_epoch=len(train_loader),
+        raw_model=raw_model,
+        model=model,
+        ddp_model=ddp_model,
+        no_sync=ddp_model.no_sync if ddp_model is not None else contextlib.nullcontext,
+        average=average,
+        loss_fn=nn.CrossEntropyLoss(label_smoothing=cfg.optim.label_smoothing),
+        autocast=autocast,
+        scaler=perf.grad_scaler(cfg, device),
+        optimizer=optimizer,
+        zero_grad=perf.zero_grad(cfg, optimizer),
+        scheduler=scheduler,
+        lr_peak=lr_peak,
+        epochs=cfg.epochs,
+        total_steps=total_steps,
+        grad_accum_steps=cfg.grad_accum_steps,
+        log_every=cfg.log_every,
+        eval_plan=evaluation.Plan(cfg.eval.from_epoch, cfg.eval_every),
+        tta_views=evaluation.tta_views(cfg.eval.tta),
+        target_acc=cfg.target_acc,
+        warm_up_steps=warm_up_steps,
+        mfu=meter,
+        timer=data_wait_timer(cfg.measure_data_wait, device.type),
+        synchronize=torch.cuda.synchronize if device.type == "cuda" else (lambda: None),
+        non_finite_advice=non_finite_advice,
+        profile=cfg.profile and ranks.is_main,
+        description=(
+            f"device: {device} x{ranks.world_size} | model: {cfg.model.target or cfg.model.name.value} | "
+            f"data: {cfg.data.source.value} ({len(splits.train)} train, {len(splits.test)} test)"
+        ),
+    )
+
+
+def build_data(cfg: TrainConfig, ranks: Ranks, device: torch.device) -> tuple:
+    """(splits, train loader, train batches, test batches): the images decoded or read once,
+    this rank's loaders over them, and their batches as the device takes them."""
+    processes_per_host = int(os.environ.get("LOCAL_WORLD_SIZE", ranks.world_size))
+    decoders = max(1, len(os.sched_getaffinity(0)) // processes_per_host)
+    splits = load_source(cfg.data, cfg.seed, processes=decoders)
+    common = dict(
+        augment=cfg.data.augment,
+        batch_size=cfg.batch_size,
+        seed=cfg.seed,
+        rank=ranks.rank,
+        world_size=ranks.world_size,
+        cutout=cfg.data.cutout,
+        padding=cfg.data.crop_padding,
+        alternate_flip=cfg.data.flip is FlipMode.alternating,
+    )
+    if cfg.data.loader is LoaderKind.gpu:
+        if device.type != "cuda":
+            perf.cannot_act("data.loader=gpu", f"device is {device}: the dataset stays in host memory")
+        train, test = gpu_loaders(splits, device=device, **common)
+    else:
+        loader_kwargs = perf.dataloader_kwargs(cfg, device, processes_per_host)
+        train, test = torch_loaders(splits, loader_kwargs=loader_kwargs, **common)
+    if len(train) == 0:
+        raise ConfigError(
+            f"batch_size={cfg.batch_size} x {ranks.world_size} process(es) is larger than the "
+            f"{len(splits.train)} training images: lower batch_size"
+        )
+    return splits, train, perf.device_batches(cfg, train, device), perf.device_batches(cfg, test, device)
+
+
+def build_network(cfg: TrainConfig, ranks: Ranks, device: torch.device, splits: Splits) -> tuple:
+    """(raw model, the model the step calls, the DDP wrapper or None, the MFU meter)."""
+    raw_model = build_model(cfg.model, num_classes=len(splits.classes))
+    initialize_from_data(raw_model, splits.train)
+    wrapped = []
+
+    def wrap_ddp(module: nn.Module) -> nn.Module:
+        wrapped.append(perf.distributed_data_parallel(cfg, module, device))
+        return wrapped[0]
+
+    model = perf.prepare_model(cfg, raw_model, device, wrap_ddp if ranks.world_size > 1 else None)
+    batch_shape = (cfg.batch_size, 3, IMAGE_SIZE, IMAGE_SIZE)
+    flops = mfu.flops_per_image(cfg.model, len(splits.classes), batch_shape)
+    meter = mfu.meter(cfg, device, flops, ranks.world_size)
+    return raw_model, model, wrapped[0] if wrapped else None, meter
+
+
+def step_budget(cfg: TrainConfig, micro_batches_per_epoch: int) -> int:
+    """The run's optimizer steps: every epoch's, or max_steps where that comes first."""
+    total_steps = cfg.epochs * math.ceil(micro_batches_per_epoch / cfg.grad_accum_steps)
+    if cfg.max_steps is not None:
+        total_steps = min(total_steps, cfg.max_steps)
+    if cfg.ema.enabled and cfg.ema.update_every > total_steps:
+        raise ConfigError(
+            f"ema.update_every={cfg.ema.update_every} is more than this run's {total_steps} "
+            "optimizer steps: the average would never be updated and would be the random "
+            "initialization. Lower ema.update_every, or set ema.enabled=false"
+        )
+    return total_steps

@@ -1,0 +1,19 @@
+"""The errors a user can fix, each printed as one line without a traceback.
+
+Owns: TrainerError (the base every module raises for such a problem) and ConfigError (a
+setting to change; its message names the key and the fix in override syntax). Both are
+importable from trainer.config as well.
+Must not touch: torch (the command-line check imports this before torch is loaded).
+"""
+
+from __future__ import annotations
+
+from hydra.errors import CompactHydraException
+
+
+class TrainerError(CompactHydraException):
+    """A problem the user can fix; printed as one line, without a traceback."""
+
+
+class ConfigError(TrainerError):
+    pass

@@ -1,0 +1,219 @@
+"""The loop: epochs of optimizer steps over the assembled parts, with evaluation between them.
+
+    epochs_run = train(parts, progress, run, evaluate, started=time.perf_counter())
+
+Owns: the order of work. An epoch's micro-batches with gradient accumulation; the step
+(forward and backward under autocast, the scaled optimizer step, the scheduler, the weight
+average); one read of the losses per log window, which is also where a NaN/inf loss stops the
+run; the epoch's record; the warm-up steps that compile before the clock starts, undone after.
+Change the loop here.
+Must not touch: the config (every decision is already a field of `Parts`, trainer/assembly.py),
+signals and files (the run lends its log, its profiler and its agreed stop: trainer/run.py),
+process groups (trainer/distributed.py; an epoch's totals are summed over the ranks in it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import itertools
+import logging
+import math
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from trainer import distributed, evaluation
+from trainer.assembly import Parts
+from trainer.config import TrainerError
+from trainer.logging import percent
+from trainer.progress import Progress
+
+if TYPE_CHECKING:
+    from trainer.run import Run
+
+log = logging.getLogger(__name__)
+
+
+class NonFiniteLoss(TrainerError):
+    pass
+
+
+def accumulation_plan(micro_batches: int, accum_steps: int) -> list[tuple[int, bool]]:
+    """(loss divisor, is the last micro-batch of its optimizer step) for each micro-batch.
+
+    A trailing group shorter than accum_steps divides by its own size, so every optimizer
+    step averages the loss over exactly the micro-batches it saw."""
+    plan = []
+    for index in range(micro_batches):
+        group_start = index - index % accum_steps
+        group_size = min(accum_steps, micro_batches - group_start)
+        plan.append((group_size, index - group_start == group_size - 1))
+    return plan
+
+
+def train(parts: Parts, progress: Progress, run: Run, evaluate: Callable[[], dict], started: float) -> int:
+    """Epochs until the last one, the step budget or a stop every rank agreed on; each finished
+    epoch, evaluated when the plan says so, goes to the run as a record. Returns how many ran."""
+    epochs_run = 0
+    while progress.epoch < parts.epochs and progress.step < parts.total_steps and not run.stop_agreed():
+        record = train_epoch(parts, progress, run)
+        if run.stop_signal and progress.batch_in_epoch < parts.batches_per_epoch:  # inside the epoch
+            break
+        progress.epoch += 1
+        progress.batch_in_epoch = 0
+        last = progress.epoch == parts.epochs or progress.step >= parts.total_steps
+        if parts.eval_plan.due(progress.epoch, last):
+            evaluated = time.perf_counter()
+            record.update(evaluate())  # its all-reduce's .tolist() waits for the device
+            record["eval_s"] = time.perf_counter() - evaluated
+            progress.eval_time_s += record["eval_s"]
+        record["wall_s"] = time.perf_counter() - started
+        progress.add_epoch(record)
+        progress.note_target(record, parts.target_acc)
+        run.epoch_done(record)
+        epochs_run += 1
+    return epochs_run
+
+
+def train_epoch(parts: Parts, progress: Progress, run: Run) -> dict:
+    """One epoch, or what a resume left of it; it ends early at the step budget or an agreed stop."""
+    parts.model.train()
+    skip = progress.batch_in_epoch
+    parts.train_loader.set_epoch(progress.epoch, skip)
+    plan = accumulation_plan(len(parts.train_batches), parts.grad_accum_steps)
+    correct = torch.zeros((), device=parts.device, dtype=torch.long)
+    window: list[torch.Tensor] = []
+    loss_total, micro_batches = 0.0, 0
+    bar = run.log.progress(len(plan), f"epoch {progress.epoch + 1}/{parts.epochs}")
+    parts.synchronize()
+    if parts.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(parts.device)
+    started = window_started = time.perf_counter()
+    for (images, labels), (divisor, boundary) in zip(parts.timer.wrap(parts.train_batches), plan):
+        with contextlib.nullcontext() if boundary else parts.no_sync():
+            loss, hits = forward_backward(parts, images, labels, divisor)
+        window.append(loss)
+        correct += hits
+        if boundary:
+            optimizer_step(parts, progress)
+        parts.timer.step_done()
+        run.profiler.step()
+        if not boundary:
+            continue
+        if progress.step % parts.log_every == 0 or progress.step >= parts.total_steps:
+            loss_total += log_window(parts, progress, run, window, bar, time.perf_counter() - window_started)
+            micro_batches += len(window)
+            window, window_started = [], time.perf_counter()
+        if progress.step >= parts.total_steps or run.stop_agreed():
+            break
+    if window:
+        loss_total += log_window(parts, progress, run, window, bar, time.perf_counter() - window_started)
+        micro_batches += len(window)
+    parts.synchronize()
+    epoch_s = time.perf_counter() - started
+    bar.close()
+    progress.train_time_s += epoch_s
+    progress.batch_in_epoch = skip + micro_batches
+    return epoch_record(parts, progress, loss_total, float(correct), micro_batches, epoch_s)
+
+
+def forward_backward(parts: Parts, images: torch.Tensor, labels: torch.Tensor, divisor: int):
+    with parts.autocast():
+        logits = parts.model(images)
+        loss = parts.loss_fn(logits, labels)
+    parts.scaler.scale(loss / divisor).backward()
+    return loss.detach(), (logits.detach().argmax(dim=1) == labels).sum()
+
+
+def optimizer_step(parts: Parts, progress: Progress) -> None:
+    parts.scaler.step(parts.optimizer)
+    parts.scaler.update()
+    parts.zero_grad()
+    parts.scheduler.step()
+    progress.step += 1
+    parts.average.after_step(progress.step)
+
+
+def log_window(parts: Parts, progress: Progress, run: Run, window: list, bar, seconds: float) -> float:
+    """One host sync per window: read the losses, stop on NaN/inf, log. Returns their sum."""
+    losses = torch.stack(window).float().tolist()
+    bad = next((i for i, value in enumerate(losses) if not math.isfinite(value)), None)
+    if bad is not None:
+        steps_in_window = math.ceil(len(losses) / parts.grad_accum_steps)
+        step = progress.step - steps_in_window + bad // parts.grad_accum_steps + 1
+        raise NonFiniteLoss(
+            f"training loss became {losses[bad]} at optimizer step {step} (epoch {progress.epoch + 1}): "
+            f"{parts.non_finite_advice}"
+        )
+    mean = sum(losses) / len(losses)
+    images_per_s = len(losses) * parts.images_per_micro_batch / max(seconds, 1e-9)
+    run.log.scalars(progress.step, {"train/loss": mean, "lr": parts.scheduler.get_last_lr()[0]})
+    bar.set_postfix(
+        loss=f"{mean:.3f}",
+        img_s=f"{images_per_s:,.0f}",
+        mfu=percent(parts.mfu.utilization(images_per_s)),
+        refresh=False,
+    )
+    bar.update(len(losses))
+    return sum(losses)
+
+
+def epoch_record(
+    parts: Parts, progress: Progress, loss_total: float, correct: float, micro_batches: int, epoch_s: float
+) -> dict:
+    """The epoch's numbers: loss and accuracy over every rank's micro-batches, speed over this one's."""
+    device = parts.device
+    totals = distributed.all_reduce_sum(
+        torch.tensor([loss_total, correct, micro_batches], dtype=torch.float64, device=device), parts.ranks
+    ).tolist()
+    wait = parts.timer.wait_seconds()
+    images_per_s = micro_batches * parts.images_per_micro_batch / epoch_s
+    return {
+        "epoch": progress.epoch + 1,
+        "step": progress.step,
+        "train_loss": totals[0] / max(totals[2], 1),
+        "train_acc": totals[1] / max(totals[2] * parts.batch_size, 1),
+        "img_per_s": images_per_s,
+        "mfu": parts.mfu.utilization(images_per_s),
+        "epoch_s": epoch_s,
+        "data_wait_frac": None if wait is None else wait / epoch_s,
+        "peak_mem_mb": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
+        "train_time_s": progress.train_time_s,
+    }
+
+
+def warm_up(parts: Parts, epoch: int, evaluate: Callable[[], dict]) -> float:
+    """Compile and autotune on the first training batches and one evaluation before the clock
+    starts, then put back every state those steps changed; returns their seconds (compile_s)."""
+    if not parts.warm_up_steps:
+        return 0.0
+    started = time.perf_counter()
+    changed = {"model": parts.raw_model, "optimizer": parts.optimizer}
+    if parts.scaler.is_enabled():
+        changed["scaler"] = parts.scaler
+    saved = {name: copy.deepcopy(part.state_dict()) for name, part in changed.items()}
+    parts.model.train()
+    parts.train_loader.set_epoch(epoch)
+    for images, labels in itertools.islice(parts.train_batches, parts.warm_up_steps):
+        forward_backward(parts, images, labels, 1)
+        parts.scaler.step(parts.optimizer)
+        parts.scaler.update()
+        parts.zero_grad()
+    for name, part in changed.items():
+        part.load_state_dict(saved[name])
+    evaluate()  # cuDNN's autotuning of the evaluation's shapes, outside time to target
+    parts.synchronize()
+    seconds = time.perf_counter() - started
+    log.info("warm-up: %d steps compiled and autotuned in %.1f s (compile_s)", parts.warm_up_steps, seconds)
+    return seconds
+
+
+def evaluate(parts: Parts) -> dict:
+    """Test loss and accuracy over every test image exactly once (summed across ranks), of the
+    weight average when ema is on; with eval.tta also test_acc_tta."""
+    return evaluation.evaluate(
+        parts.average.module, parts.test_batches, parts.tta_views, parts.device, parts.autocast, parts.ranks
+    )

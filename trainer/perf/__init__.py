@@ -1,0 +1,153 @@
+"""Every optimization toggle is read and applied in this package, once, at build time.
+
+Order for the model: activation checkpointing (in models.build_model) -> channels_last
+-> DDP wrap (with its communication toggles) or DataParallel -> torch.compile. Where a
+toggle cannot act on this device, one log line says so and the run carries on with it off.
+
+A new toggle is a field in trainer/config.py and a few lines in the file of its concern:
+  __init__.py  the step's own: precision (amp, its dtype, the gradient scaler), zero_grad,
+               the optimizer's fused kernels
+  backend.py   torch.backends switches (deterministic, cudnn_benchmark, tf32) and the warm-up
+               steps their autotuning (or torch.compile) calls for
+  inputs.py    DataLoader workers, pinned memory, non-blocking copies, prefetching
+  model.py     channels_last, DataParallel, torch.compile: the model the step calls
+  ddp.py       DistributedDataParallel and its ddp_* communication toggles
+  profiler.py  torch.profiler over a few steps
+  notes.py     the one log line of a toggle that cannot act here
+trainer/assembly.py calls these and hands their results to the loop, which never reads a toggle.
+Must not touch: the run folder, the order of the loop, process groups.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from collections.abc import Callable
+
+import torch
+
+from trainer.config import AmpDtype, TrainConfig
+from trainer.perf.backend import WARM_UP_STEPS, apply_backend_flags, warm_up_steps
+from trainer.perf.ddp import (
+    DDP_TOGGLES,
+    DDP_WRAPPER_TOGGLES,
+    bucket_cap_mb,
+    comm_hook,
+    distributed_data_parallel,
+    unused_ddp_toggles,
+)
+from trainer.perf.inputs import (
+    CudaPrefetcher,
+    Moved,
+    batch_mover,
+    dataloader_kwargs,
+    device_batches,
+    leave_stops_to_the_main_process,
+    worker_count,
+)
+from trainer.perf.model import data_parallel, memory_format, prepare_model
+from trainer.perf.notes import at_default, cannot_act, override_value, say_once
+from trainer.perf.profiler import Profiler
+
+__all__ = [
+    "DDP_TOGGLES",
+    "DDP_WRAPPER_TOGGLES",
+    "WARM_UP_STEPS",
+    "CudaPrefetcher",
+    "Moved",
+    "Profiler",
+    "amp_dtype",
+    "apply_backend_flags",
+    "at_default",
+    "autocast_context",
+    "batch_mover",
+    "bucket_cap_mb",
+    "cannot_act",
+    "comm_hook",
+    "cpu_has_amx",
+    "data_parallel",
+    "dataloader_kwargs",
+    "device_batches",
+    "distributed_data_parallel",
+    "grad_scaler",
+    "leave_stops_to_the_main_process",
+    "memory_format",
+    "non_finite_remedy",
+    "optimizer_kwargs",
+    "override_value",
+    "prepare_model",
+    "say_once",
+    "unused_ddp_toggles",
+    "warm_up_steps",
+    "worker_count",
+    "zero_grad",
+]
+
+# Measured on a 2-core CPU with avx512_bf16 but no AMX: bf16 autocast ran the CNN at 63-73
+# img/s against 838-985 in fp32. Without AMX's tile units, bf16 convolutions fall back to
+# slow paths.
+CPU_BF16_SLOWDOWN = "10-13x"
+
+
+def cpu_has_amx() -> bool | None:
+    """Whether the CPU lists AMX's bf16 tile units (amx_bf16); None where /proc/cpuinfo is absent."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return any(line.startswith("flags") and "amx_bf16" in line.split() for line in cpuinfo)
+    except OSError:
+        return None
+
+
+def amp_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype, or None for full precision."""
+    if not cfg.amp:
+        return None
+    if device.type == "cpu" and cpu_has_amx() is False:
+        say_once(
+            logging.WARNING,
+            "amp=true on this CPU (no AMX: amx_bf16 is not among its flags) will be slower than fp32: "
+            "bf16 autocast ran %s slower on such a CPU. Set amp=false here",
+            CPU_BF16_SLOWDOWN,
+        )
+    if cfg.amp_dtype is AmpDtype.auto:
+        cuda_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        return torch.bfloat16 if device.type == "cpu" or cuda_bf16 else torch.float16
+    if cfg.amp_dtype is AmpDtype.fp16 and device.type == "cpu":
+        cannot_act("amp_dtype=fp16", "fp16 autocast on CPU is ~100x slower; using bf16")
+        return torch.bfloat16
+    return torch.bfloat16 if cfg.amp_dtype is AmpDtype.bf16 else torch.float16
+
+
+def autocast_context(
+    cfg: TrainConfig, device: torch.device
+) -> Callable[[], contextlib.AbstractContextManager]:
+    dtype = amp_dtype(cfg, device)
+    if dtype is None:
+        return contextlib.nullcontext
+    return functools.partial(torch.autocast, device_type=device.type, dtype=dtype)
+
+
+def non_finite_remedy(cfg: TrainConfig, device: torch.device) -> str:
+    """What else to try, after a lower learning rate, when the loss stops being finite."""
+    dtype = amp_dtype(cfg, device)
+    if dtype is None:
+        return ""
+    if dtype == torch.float16:
+        return ", or use amp_dtype=bf16 / amp=false"
+    return ", or set amp=false"
+
+
+def grad_scaler(cfg: TrainConfig, device: torch.device) -> torch.amp.GradScaler:
+    """Loss scaling only for fp16 on CUDA; a disabled scaler passes everything through."""
+    enabled = amp_dtype(cfg, device) == torch.float16 and device.type == "cuda"
+    return torch.amp.GradScaler(device.type, enabled=enabled)
+
+
+def zero_grad(cfg: TrainConfig, optimizer: torch.optim.Optimizer) -> Callable[[], None]:
+    return functools.partial(optimizer.zero_grad, set_to_none=cfg.set_to_none)
+
+
+def optimizer_kwargs(cfg: TrainConfig) -> dict:
+    """torch has fused SGD and AdamW kernels for CUDA and CPU."""
+    return {"fused": True} if cfg.fused_optimizer else {}

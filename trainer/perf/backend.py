@@ -1,0 +1,47 @@
+"""torch.backends switches (deterministic, cudnn_benchmark, tf32), set before anything is
+built, and the warm-up steps that the autotuning and compiling they lead to call for.
+
+Must not touch: the model, the data, the step (the other files of trainer/perf/).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from trainer.config import TrainConfig
+from trainer.perf.notes import cannot_act, forget_said
+
+log = logging.getLogger(__name__)
+
+
+def apply_backend_flags(cfg: TrainConfig, device: torch.device) -> None:
+    """torch.backends switches, set before anything is built (the first call of trainer/perf/ in
+    a run)."""
+    forget_said()
+    if cfg.deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.benchmark = False
+        if cfg.cudnn_benchmark:
+            log.info("cudnn_benchmark=true is overridden by deterministic=true")
+    elif cfg.cudnn_benchmark:
+        if device.type != "cuda":
+            cannot_act("cudnn_benchmark=true", f"cuDNN is CUDA-only, device is {device}")
+        torch.backends.cudnn.benchmark = True
+    torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
+    torch.backends.cudnn.allow_tf32 = cfg.tf32
+    if cfg.tf32 and device.type != "cuda":
+        cannot_act("tf32=true", f"TensorFloat-32 is a CUDA matmul mode, device is {device}")
+
+
+# Steps run before the clock starts when there is compiling or autotuning to do: CUDA graphs
+# are recorded on the second call and the optimizer's fused kernel is built on the first.
+WARM_UP_STEPS = 3
+
+
+def warm_up_steps(cfg: TrainConfig, device: torch.device) -> int:
+    """Steps to train (and undo) before the clock starts: where torch.compile, or cuDNN's
+    autotuning as apply_backend_flags left it, has work to do on the first shapes; else none."""
+    autotuning = device.type == "cuda" and torch.backends.cudnn.benchmark
+    return WARM_UP_STEPS if cfg.compile or autotuning else 0

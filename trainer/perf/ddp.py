@@ -1,0 +1,97 @@
+"""DistributedDataParallel and its communication toggles (ddp_comm_hook, ddp_bucket_cap_mb,
+ddp_gradient_as_bucket_view, ddp_static_graph); one line for ddp_* toggles nothing reads.
+
+Must not touch: launching ranks and the process group (trainer/distributed.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from trainer.config import DdpCommHook, TrainConfig
+from trainer.perf.notes import at_default, cannot_act, override_value
+
+log = logging.getLogger(__name__)
+
+# The ddp_* toggles, and which of them DistributedDataParallel itself reads (the others are
+# read where the processes are launched).
+DDP_TOGGLES = (
+    "ddp_backend",
+    "ddp_max_restarts",
+    "ddp_comm_hook",
+    "ddp_bucket_cap_mb",
+    "ddp_gradient_as_bucket_view",
+    "ddp_static_graph",
+)
+
+DDP_WRAPPER_TOGGLES = DDP_TOGGLES[2:]
+
+
+def unused_ddp_toggles(cfg: TrainConfig) -> None:
+    """One line for the ddp_* toggles set away from their defaults where no DistributedDataParallel
+    reads them: without ddp=true, or with it in a single process."""
+    names = DDP_WRAPPER_TOGGLES if cfg.ddp else DDP_TOGGLES
+    changed = [f"{name}={override_value(getattr(cfg, name))}" for name in names if not at_default(cfg, name)]
+    if changed:
+        reason = "one process: nothing to all-reduce" if cfg.ddp else "ddp=false: no DistributedDataParallel"
+        cannot_act(" / ".join(changed), reason)
+
+
+def comm_hook(cfg: TrainConfig) -> tuple[object, Callable] | None:
+    """(state, hook) for DistributedDataParallel.register_comm_hook, or None for plain all-reduce."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    if cfg.ddp_comm_hook is DdpCommHook.bf16:
+        return None, default_hooks.bf16_compress_hook
+    if cfg.ddp_comm_hook is DdpCommHook.fp16:
+        return None, default_hooks.fp16_compress_hook
+    if cfg.ddp_comm_hook is DdpCommHook.powersgd:
+        # Rank 1 with error feedback is the paper's CIFAR setting; the first 10 steps all-reduce
+        # in full while the optimizer leaves its most sensitive phase.
+        state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=10)
+        return state, powerSGD_hook.powerSGD_hook
+    return None
+
+
+TORCH_BUCKET_MB = 25.0  # DistributedDataParallel's own default
+
+ONE_BUCKET_UP_TO_MB = 128
+
+
+def bucket_cap_mb(cfg: TrainConfig, module: nn.Module) -> float:
+    """ddp_bucket_cap_mb, with auto resolved for this model's gradient.
+
+    auto puts a gradient of up to ONE_BUCKET_UP_TO_MB in one bucket: one all-reduce after
+    backward instead of several beside it. On 2 H200s (NVLink, ResNet-18's 44.7 MB gradient,
+    512 images per GPU, perf=fast) one bucket gave 91.9% per-GPU efficiency (91.4-92.4%, 3 runs)
+    against 82.5% (75.5-87.7%) for torch's 25 MB buckets: the all-reduce itself takes 0.19 ms,
+    the cost was the per-bucket work beside backward. Larger gradients keep torch's buckets, so
+    that communication still overlaps a backward long enough to hide it."""
+    if cfg.ddp_bucket_cap_mb != "auto":
+        return float(cfg.ddp_bucket_cap_mb)
+    gradient_mb = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad) / 2**20
+    return float(math.ceil(gradient_mb) + 1) if gradient_mb <= ONE_BUCKET_UP_TO_MB else TORCH_BUCKET_MB
+
+
+def distributed_data_parallel(
+    cfg: TrainConfig, module: nn.Module, device: torch.device
+) -> nn.parallel.DistributedDataParallel:
+    """DDP with the ddp_* communication toggles, inside the process group the run is in."""
+    bucket_mb = bucket_cap_mb(cfg, module)
+    log.info("ddp: gradient buckets of %g MB (ddp_bucket_cap_mb=%s)", bucket_mb, cfg.ddp_bucket_cap_mb)
+    model = nn.parallel.DistributedDataParallel(
+        module,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        bucket_cap_mb=bucket_mb,
+        gradient_as_bucket_view=cfg.ddp_gradient_as_bucket_view,
+        static_graph=cfg.ddp_static_graph,
+    )
+    hook = comm_hook(cfg)
+    if hook is not None:
+        model.register_comm_hook(*hook)
+    return model

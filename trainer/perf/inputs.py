@@ -1,0 +1,141 @@
+"""The input pipeline's toggles: DataLoader workers, pinned memory, host-to-device copies in
+the model's memory format, and prefetching on a side stream.
+
+Must not touch: what the loaders hold or how they augment (trainer/data/), the model and the
+step (the other files of trainer/perf/).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Iterable, Iterator
+
+import torch
+
+from trainer.config import TrainConfig
+from trainer.data import Normalizer
+from trainer.perf.model import memory_format
+from trainer.perf.notes import at_default, cannot_act
+
+log = logging.getLogger(__name__)
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def leave_stops_to_the_main_process(_worker_id: int) -> None:
+    """In each DataLoader worker. Ctrl-C and `kill -TERM -- -<pgid>` (terminals, job schedulers)
+    reach every process of the group, and a worker that dies of them fails the run. A worker
+    leaves for a process group of its own, so only the main process gets them: it stops at the
+    next step, saves, and ends its workers itself (a SIGTERM sent to a worker still ends it)."""
+    os.setpgid(0, 0)
+
+
+def worker_count(cfg: TrainConfig, device: torch.device, processes_per_host: int) -> int:
+    """num_workers, with auto resolved: 4 per GPU (enough to feed one at CIFAR sizes), capped
+    by the cores each training process has less one for itself; 0 on a CPU device, whose
+    training step already uses every core."""
+    if cfg.num_workers != "auto":
+        return cfg.num_workers
+    if device.type != "cuda":
+        return 0
+    cores_per_process = len(os.sched_getaffinity(0)) // max(processes_per_host, 1)
+    return max(0, min(4, cores_per_process - 1))
+
+
+def dataloader_kwargs(cfg: TrainConfig, device: torch.device, processes_per_host: int = 1) -> dict:
+    pin = cfg.pin_memory and device.type == "cuda"
+    if cfg.pin_memory and not pin:
+        cannot_act(
+            "pin_memory=true",
+            f"page-locked memory speeds copies to CUDA, device is {device}",
+            default=at_default(cfg, "pin_memory"),
+        )
+    workers = worker_count(cfg, device, processes_per_host)
+    if cfg.num_workers == "auto":
+        level = logging.INFO if device.type == "cuda" else logging.DEBUG
+        log.log(level, "num_workers=auto: %d worker processes", workers)
+    kwargs = {"num_workers": workers, "pin_memory": pin}
+    if workers > 0:
+        kwargs["persistent_workers"] = cfg.persistent_workers
+        kwargs["prefetch_factor"] = cfg.prefetch_factor
+        kwargs["worker_init_fn"] = leave_stops_to_the_main_process
+    elif cfg.persistent_workers or cfg.prefetch_factor is not None:
+        cannot_act("persistent_workers / prefetch_factor", "num_workers=auto picked no workers")
+    return kwargs
+
+
+def batch_mover(cfg: TrainConfig, device: torch.device) -> Callable[[Batch], Batch]:
+    """Host-to-device copy of a uint8 batch in the model's memory format, then conversion to
+    normalized float there."""
+    non_blocking = cfg.non_blocking and device.type == "cuda"
+    if cfg.non_blocking and not non_blocking:
+        cannot_act(
+            "non_blocking=true",
+            f"copies to {device} are synchronous",
+            default=at_default(cfg, "non_blocking"),
+        )
+    fmt = memory_format(cfg)
+    normalize = Normalizer(device)
+
+    def move(batch: Batch) -> Batch:
+        images, labels = batch
+        return (
+            normalize(images.to(device, non_blocking=non_blocking, memory_format=fmt)),
+            labels.to(device, non_blocking=non_blocking),
+        )
+
+    return move
+
+
+class CudaPrefetcher:
+    """Copies the next batch on a side stream while the current one computes."""
+
+    def __init__(self, loader: Iterable[Batch], move: Callable[[Batch], Batch], device: torch.device):
+        self.loader, self.move = loader, move
+        self.stream = torch.cuda.Stream(device)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[Batch]:
+        batches = iter(self.loader)
+        compute = torch.cuda.current_stream()
+
+        def load_next() -> Batch | None:
+            batch = next(batches, None)
+            if batch is None:
+                return None
+            with torch.cuda.stream(self.stream):
+                return self.move(batch)
+
+        upcoming = load_next()
+        while upcoming is not None:
+            compute.wait_stream(self.stream)
+            for tensor in upcoming:
+                tensor.record_stream(compute)
+            current, upcoming = upcoming, load_next()
+            yield current
+
+
+class Moved:
+    """The loader's batches, each moved to the device as it is drawn."""
+
+    def __init__(self, loader: Iterable[Batch], move: Callable[[Batch], Batch]):
+        self.loader, self.move = loader, move
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[Batch]:
+        return map(self.move, self.loader)
+
+
+def device_batches(cfg: TrainConfig, loader: Iterable[Batch], device: torch.device) -> Iterable[Batch]:
+    """The loader as an iterable of device-ready batches (prefetched when asked and possible)."""
+    move = batch_mover(cfg, device)
+    if cfg.data.prefetch:
+        if device.type == "cuda":
+            return CudaPrefetcher(loader, move, device)
+        cannot_act("data.prefetch=true", f"the side-stream copy needs CUDA, device is {device}")
+    return Moved(loader, move)

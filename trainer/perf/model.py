@@ -1,0 +1,59 @@
+"""The model as the step calls it: channels_last -> DDP (trainer/perf/ddp.py) or DataParallel
+-> torch.compile, in that order.
+
+Must not touch: what the model is (trainer/models.py), the data and the step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from trainer.config import ConfigError, TrainConfig
+from trainer.perf.ddp import unused_ddp_toggles
+from trainer.perf.notes import cannot_act
+
+
+def memory_format(cfg: TrainConfig) -> torch.memory_format:
+    return torch.channels_last if cfg.channels_last else torch.contiguous_format
+
+
+def data_parallel(cfg: TrainConfig, model: nn.Module, device: torch.device) -> nn.Module:
+    """nn.DataParallel over `devices` GPUs from this one process (the comparison DDP is made against)."""
+    if not cfg.data_parallel:
+        return model
+    if device.type != "cuda":
+        cannot_act("data_parallel=true", f"it splits each batch over CUDA devices, device is {device}")
+        return model
+    available = torch.cuda.device_count() - (device.index or 0)
+    count = cfg.devices or available
+    if count > available:
+        raise ConfigError(
+            f"devices={count} for data_parallel=true but {available} GPU(s) from {device} on: "
+            f"set devices={available} or fewer"
+        )
+    if count < 2:
+        cannot_act("data_parallel=true", "one GPU: there is nothing to split the batch over")
+        return model
+    first = device.index or 0
+    return nn.DataParallel(model, device_ids=list(range(first, first + count)))
+
+
+def prepare_model(
+    cfg: TrainConfig,
+    model: nn.Module,
+    device: torch.device,
+    wrap_ddp: Callable[[nn.Module], nn.Module] | None,
+) -> nn.Module:
+    """channels_last -> DDP or DataParallel -> compile. Returns the module the training step calls."""
+    model = model.to(device, memory_format=memory_format(cfg))
+    if wrap_ddp is not None:
+        model = wrap_ddp(model)
+    else:
+        unused_ddp_toggles(cfg)
+    model = data_parallel(cfg, model, device)
+    if cfg.compile:
+        model = torch.compile(model, mode=cfg.compile_mode.value)
+    return model

@@ -1,0 +1,278 @@
+"""The run's life: what it leaves in its folder and when, from the first file to the failure record.
+
+    run = Run(cfg, run_dir, overrides, progress)
+    run.begin(parts, run.load_resume())    # restore, then the folder's files
+    with run.training():                   # SIGINT/SIGTERM: stop at a step and save
+        run.finish(loop.train(parts, progress, run, evaluate, started))
+    summary = run.close()                  # metrics.json, TensorBoard HParams
+
+Owns: the checkpoint (saved after each epoch and at a stop, restored on resume), metrics.json
+(after each epoch, at the end, and as the failure record of a run that fails), the TensorBoard
+events, the profiler's trace, the exported model; each epoch's report (a log line, scalars,
+the slow-input hint); SIGINT/SIGTERM as requests to stop at a step every rank agrees on; the
+summary, and in a process that launched ranks, rank 0's. The folder's name is default_run_dir's
+when none is given; the Trainer holds its lock (trainer/run_lock.py) around all of the above.
+Must not touch: how the parts are built (trainer/assembly.py), the order of work in an epoch
+or a step (trainer/loop.py), process groups (trainer/distributed.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import time
+from collections.abc import Callable, Iterator
+from datetime import datetime
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from trainer import checkpoint, distributed, mfu, perf, timing
+from trainer.assembly import Parts
+from trainer.atomic import NotWritten
+from trainer.config import ExportFormat, TrainConfig
+from trainer.distributed import Ranks
+from trainer.ema import WeightAverage
+from trainer.export import export_model
+from trainer.logging import METRICS, RunLog, SilentRunLog, decimal, percent, read_metrics, write_json_atomic
+from trainer.progress import Progress
+
+log = logging.getLogger(__name__)
+
+
+def default_run_dir() -> Path:
+    now = datetime.now()
+    return Path("outputs") / now.strftime("%Y-%m-%d") / now.strftime("%H-%M-%S.%f")
+
+
+def record_rejected_config(run_dir: Path, error: Exception, overrides: list[str]) -> None:
+    """A config refused before any run began still leaves a metrics.json saying why."""
+    with contextlib.suppress(NotWritten):  # a full disk: the error itself is what to report
+        write_json_atomic(
+            run_dir / METRICS, {"status": "failed", "error": str(error), "overrides": overrides}
+        )
+
+
+class Run:
+    def __init__(
+        self, cfg: TrainConfig, run_dir: str | Path | None, overrides: list[str] | None, progress: Progress
+    ):
+        self.cfg = cfg
+        self.config = OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)  # as saved
+        self.run_dir = Path(run_dir) if run_dir is not None else default_run_dir()
+        self.overrides = list(overrides or [])
+        self.progress = progress  # the loop advances it; checkpoints and summaries read it
+        self.status = "running"
+        self.device: torch.device | None = None  # once resolved
+        self.parts: Parts | None = None  # once assembled
+        self.resumed_from: str | None = None
+        self.exported: str | None = None  # the inference model's file, once written
+        self.ranks_record: dict = {}  # a launcher's: rank 0's metrics.json when the ranks failed
+        self.stop_signal: str | None = None  # a stop every rank agreed on
+        self.stop_requested: str | None = None  # the signal this process got
+        self.stop_asked_at: int | None = None  # the step it came at
+
+    def load_resume(self) -> tuple[Path, dict] | None:
+        return checkpoint.load_checkpoint(self.cfg.resume) if self.cfg.resume else None
+
+    def begin(self, parts: Parts, resume: tuple[Path, dict] | None) -> None:
+        self.parts = parts
+        self.stop_vote = distributed.StopVote(parts.ranks)
+        if resume is not None:
+            self.restore(*resume)
+        # Files appear only once everything above has worked.
+        if parts.ranks.is_main:
+            checkpoint.remove_partial_writes(self.run_dir / checkpoint.CHECKPOINT)
+        self.log = RunLog(self.run_dir) if parts.ranks.is_main else SilentRunLog(self.run_dir)
+        self.profiler = perf.Profiler(parts.profile, str(self.run_dir / "profile"))
+        log.info("run folder: %s | %s", self.run_dir, parts.description)
+
+    def launched_ranks(self, launch: Callable[[], dict]) -> dict:
+        """What launch() returns: rank 0's metrics, also when the ranks stopped as asked; when a
+        rank failed, rank 0's record is kept for this process's failure record."""
+        launched = time.time()
+        try:
+            metrics = launch()
+        except distributed.LaunchStopped:
+            metrics = read_metrics(self.run_dir)  # rank 0's, written as it stopped and saved
+            if metrics.get("status") != "interrupted":
+                raise
+        except distributed.WorkerFailed:
+            self.ranks_record = read_metrics(self.run_dir, since=launched)
+            raise
+        self.status = metrics["status"]
+        return metrics
+
+    # ------------------------------------------------------------------ stops
+
+    @contextlib.contextmanager
+    def training(self) -> Iterator[None]:
+        """While the loop runs, SIGINT and SIGTERM ask it to stop at a step (and save); after
+        it, the profiler stops and the previous handlers are back."""
+
+        def request_stop(signum, _frame):
+            self.stop_requested = signal.Signals(signum).name
+            self.stop_asked_at = self.progress.step
+
+        previous = {}
+        with contextlib.suppress(ValueError):  # signals can only be caught in the main thread
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                previous[signum] = signal.signal(signum, request_stop)
+        try:
+            yield
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+            self.profiler.stop()
+
+    def stop_agreed(self) -> bool:
+        """Every rank stops at the same step: a stop asked of any rank is shared (under DDP a
+        step later, so that no step waits for the vote)."""
+        if not self.stop_signal and self.stop_vote.poll(self.stop_requested is not None):
+            self.stop_signal = self.stop_requested or "a stop on another rank"
+        return self.stop_signal is not None
+
+    # ------------------------------------------------------------------ each epoch, the end
+
+    def epoch_done(self, record: dict) -> None:
+        self.report_epoch(record)
+        self.save_checkpoint()
+        self.log.metrics(self.summary(self.parts.ranks))
+
+    def finish(self, epochs_run: int) -> None:
+        """After the loop: interrupted (saved where it stopped) or completed (exported as asked)."""
+        self.stop_vote.close()
+        if self.stop_signal:
+            self.status = "interrupted"
+            self.save_checkpoint()
+            log.warning(
+                "stopped by %s at step %d%s; checkpoint saved. Continue with resume=%s",
+                self.stop_signal,
+                self.progress.step,
+                "" if self.stop_asked_at is None else f" (asked at step {self.stop_asked_at})",
+                self.run_dir,
+            )
+            return
+        self.status = "completed"
+        if epochs_run == 0:  # resumed from a finished run: this run's folder still gets its checkpoint
+            log.info("resume=%s had already finished: nothing left to train", self.cfg.resume)
+            self.save_checkpoint()
+        if self.cfg.export is not ExportFormat.none and self.parts.ranks.is_main:
+            exported = export_model(self.parts.average.module, self.cfg.export, self.run_dir)
+            self.exported = str(exported.relative_to(self.run_dir))  # like evaluation.json's
+
+    def close(self) -> dict:
+        summary = self.summary(self.parts.ranks)
+        self.log.metrics(summary)
+        self.log.hparams(self.config, summary)
+        self.log.close()
+        return summary
+
+    def report_epoch(self, record: dict) -> None:
+        """TensorBoard scalars, one log line, and the input-pipeline hint when data is slow."""
+        self.log.scalars(
+            self.progress.step,
+            {
+                "train/acc": record["train_acc"],
+                "test/loss": record.get("test_loss"),
+                "test/acc": record.get("test_acc"),
+                "test/acc_tta": record.get("test_acc_tta"),
+                "perf/img_per_s": record["img_per_s"],
+                "perf/mfu": record["mfu"],
+                "perf/epoch_s": record["epoch_s"],
+                "perf/data_wait_frac": record["data_wait_frac"],
+                "perf/peak_mem_mb": record["peak_mem_mb"],
+            },
+        )
+        log.info(
+            "epoch %d/%d | step %d | loss %.4f | train acc %.4f | test acc %s | %.0f img/s | mfu %s"
+            " | data wait %s",
+            self.progress.epoch,
+            self.parts.epochs,
+            self.progress.step,
+            record["train_loss"],
+            record["train_acc"],
+            decimal(record.get("test_acc")),
+            record["img_per_s"],
+            percent(record["mfu"]),
+            decimal(record["data_wait_frac"]),
+        )
+        if (record["data_wait_frac"] or 0.0) > 0.2:
+            log.warning(
+                "%.0f%% of the epoch waited for data: try more num_workers, pin_memory=true"
+                " or data.loader=gpu",
+                100 * record["data_wait_frac"],
+            )
+
+    # ------------------------------------------------------------------ checkpoint
+
+    def stateful(self) -> dict:
+        """Everything a checkpoint holds the state of, by name (the weight average when ema is on)."""
+        parts = self.parts
+        stateful = {
+            "model": parts.raw_model,
+            "optimizer": parts.optimizer,
+            "scheduler": parts.scheduler,
+            "scaler": parts.scaler,
+            "progress": self.progress,
+        }
+        if isinstance(parts.average, WeightAverage):
+            stateful["ema"] = parts.average
+        return stateful
+
+    def save_checkpoint(self) -> None:
+        if self.parts.ranks.is_main:
+            checkpoint.save(
+                self.run_dir / checkpoint.CHECKPOINT,
+                self.stateful(),
+                config=self.config,
+                total_steps=self.parts.total_steps,
+                epoch=self.progress.epoch,  # also in progress; here for a reader of the file
+                step=self.progress.step,
+                classes=self.parts.classes,
+            )
+
+    def restore(self, path: Path, state: dict) -> None:
+        parts = self.parts
+        checkpoint.check_compatible(
+            state, self.config, parts.total_steps, parts.raw_model.state_dict(), parts.classes
+        )
+        checkpoint.restore(self.cfg.resume, state, self.stateful())
+        self.resumed_from = str(path)
+        log.info(
+            "resumed from %s at epoch %d, step %d", self.resumed_from, self.progress.epoch, self.progress.step
+        )
+
+    # ------------------------------------------------------------------ results
+
+    def summary(self, ranks: Ranks | None) -> dict:
+        progress = self.progress.summary()
+        meter = self.parts.mfu if self.parts else mfu.Meter()  # nothing counted before assembly
+        return {
+            "status": self.status,
+            **progress,
+            "mfu": meter.utilization(progress["img_per_s"]),  # over the same epochs as img_per_s
+            "flops_per_image": meter.flops_per_image,
+            "device": str(self.device) if self.device else self.cfg.device,
+            "world_size": ranks.world_size if ranks else None,
+            "torch": torch.__version__,
+            "overrides": self.overrides,
+            "resumed_from": self.resumed_from,
+            "lr_peak": self.parts.lr_peak if self.parts else None,
+            "target_acc": self.cfg.target_acc,
+            "export": self.exported,
+            "wall_s": timing.wall_s(),
+        }
+
+    def record_failure(self, error: BaseException, ranks: Ranks | None) -> None:
+        """A failed run leaves a complete metrics.json that says so (and no new checkpoint)."""
+        self.status = "interrupted" if isinstance(error, KeyboardInterrupt) else "failed"
+        # A launcher's own summary is empty: rank 0's record holds the run's progress.
+        summary = {**self.summary(ranks), **self.ranks_record, "status": self.status}
+        summary["error"] = str(error).splitlines()[0] if str(error) else type(error).__name__
+        if isinstance(error, distributed.WorkerFailed):
+            summary["failed_rank"] = error.rank
+        with contextlib.suppress(NotWritten):  # a full disk: the last record stays, the error is raised
+            write_json_atomic(self.run_dir / METRICS, summary)
