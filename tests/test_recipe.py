@@ -376,3 +376,10 @@ def test_norm_bias_lr_scale_trains_the_batchnorm_shifts_in_a_group_of_their_own(
 def test_eval_from_epoch_leaves_the_earlier_epochs_unevaluated(tmp_path):
     metrics = Trainer(compose_config("epochs=3", "eval.from_epoch=2"), tmp_path / "run").fit()
     assert ["test_acc" in record for record in metrics["history"]] == [False, True, True]
+
+
+def test_the_epoch_line_shows_the_tta_accuracy_beside_the_single_view():
+    from trainer.run import accuracy_cell
+
+    assert accuracy_cell({"test_acc": 0.9, "test_acc_tta": 0.93}) == "0.9000 (tta 0.9300)"
+    assert accuracy_cell({"test_acc": 0.9}) == "0.9000" and accuracy_cell({}) == "-"

@@ -55,6 +55,13 @@ def record_rejected_config(run_dir: Path, error: Exception, overrides: list[str]
         )
 
 
+def accuracy_cell(record: dict) -> str:
+    """The epoch line's test accuracy: the single view, and the TTA one beside it when on."""
+    plain = decimal(record.get("test_acc"))
+    tta = record.get("test_acc_tta")
+    return plain if tta is None else f"{plain} (tta {decimal(tta)})"
+
+
 class Run:
     def __init__(
         self, cfg: TrainConfig, run_dir: str | Path | None, overrides: list[str] | None, progress: Progress
@@ -194,7 +201,7 @@ class Run:
             self.progress.step,
             record["train_loss"],
             record["train_acc"],
-            decimal(record.get("test_acc")),
+            accuracy_cell(record),
             record["img_per_s"],
             percent(record["mfu"]),
             decimal(record["data_wait_frac"]),
