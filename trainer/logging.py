@@ -19,6 +19,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from trainer.atomic import RUN_FOLDER_FIX, write_atomic
+from trainer.progress_bar import NoProgress, StepProgress
 
 METRICS = "metrics.json"
 LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"  # as Hydra's job log
@@ -101,11 +102,8 @@ class RunLog:
     def metrics(self, data: dict) -> None:
         write_json_atomic(self.run_dir / METRICS, data)
 
-    def progress(self, total: int, description: str) -> tqdm:
-        # disable=None: a bar on a terminal, nothing in a redirected log.
-        return tqdm(
-            total=total, desc=description, unit="batch", dynamic_ncols=True, leave=False, disable=None
-        )
+    def progress(self, total: int, description: str) -> StepProgress:
+        return StepProgress(total, description)
 
     def hparams(self, config: dict, final: dict) -> None:
         """Into this run's own event file, so that a sweep folder shows every job in HParams."""
@@ -130,14 +128,35 @@ class SilentRunLog(RunLog):
     def metrics(self, data: dict) -> None:
         pass
 
-    def progress(self, total: int, description: str) -> tqdm:
-        return tqdm(total=total, disable=True)
+    def progress(self, total: int, description: str) -> StepProgress:
+        return NoProgress()
 
     def hparams(self, config: dict, final: dict) -> None:
         pass
 
     def close(self) -> None:
         pass
+
+
+def console_handlers() -> list[logging.Handler]:
+    """The command line's console: progress to stdout, warnings and errors to stderr."""
+    progress, problems = logging.StreamHandler(sys.stdout), logging.StreamHandler(sys.stderr)
+    progress.addFilter(BelowLevel(logging.WARNING))
+    problems.setLevel(logging.WARNING)
+    for handler in (progress, problems):
+        handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    return [progress, problems]
+
+
+def console_unless_configured() -> None:
+    """A run started from Python (Trainer(cfg).fit()) logs what the command line shows, unless
+    the caller has set up logging (any handler on the root or the trainer logger): theirs rules."""
+    ours = logging.getLogger("trainer")
+    if logging.getLogger().handlers or ours.handlers:
+        return
+    ours.setLevel(logging.INFO)
+    for handler in console_handlers():
+        ours.addHandler(handler)
 
 
 def configure_rank_logging(ranks, run_dir: Path) -> None:
@@ -149,14 +168,9 @@ def configure_rank_logging(ranks, run_dir: Path) -> None:
         root.removeHandler(handler)
     root.setLevel(logging.INFO)
     run_dir.mkdir(parents=True, exist_ok=True)
-    handlers = [logging.FileHandler(run_dir / f"rank{ranks.rank}.log")]
-    if ranks.is_main:
-        progress, problems = logging.StreamHandler(sys.stdout), logging.StreamHandler(sys.stderr)
-        progress.addFilter(BelowLevel(logging.WARNING))
-        problems.setLevel(logging.WARNING)
-        handlers += [progress, problems]
-    for handler in handlers:
-        handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    file = logging.FileHandler(run_dir / f"rank{ranks.rank}.log")
+    file.setFormatter(logging.Formatter(LOG_FORMAT))
+    for handler in [file, *(console_handlers() if ranks.is_main else [])]:
         root.addHandler(handler)
     # tqdm's default lock is a multiprocessing semaphore; a rank killed holding one leaves the
     # launcher a "leaked semaphore" warning at exit. A rank's bars are its own: a thread lock does.

@@ -100,6 +100,7 @@ def train_epoch(parts: Parts, progress: Progress, run: Run) -> dict:
         if boundary:
             optimizer_step(parts, progress)
         parts.timer.step_done()
+        bar.update()
         run.profiler.step()
         if not boundary:
             continue
@@ -157,7 +158,6 @@ def log_window(parts: Parts, progress: Progress, run: Run, window: list, bar, se
         mfu=percent(parts.mfu.utilization(images_per_s)),
         refresh=False,
     )
-    bar.update(len(losses))
     return sum(losses)
 
 

@@ -36,7 +36,16 @@ from trainer.config import ExportFormat, TrainConfig
 from trainer.distributed import Ranks
 from trainer.ema import WeightAverage
 from trainer.export import export_model
-from trainer.logging import METRICS, RunLog, SilentRunLog, decimal, percent, read_metrics, write_json_atomic
+from trainer.logging import (
+    METRICS,
+    RunLog,
+    SilentRunLog,
+    console_unless_configured,
+    decimal,
+    percent,
+    read_metrics,
+    write_json_atomic,
+)
 from trainer.progress import Progress
 
 log = logging.getLogger(__name__)
@@ -66,6 +75,7 @@ class Run:
     def __init__(
         self, cfg: TrainConfig, run_dir: str | Path | None, overrides: list[str] | None, progress: Progress
     ):
+        console_unless_configured()  # a run from Python shows what the command line shows
         self.cfg = cfg
         self.config = OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)  # as saved
         self.run_dir = Path(run_dir) if run_dir is not None else default_run_dir()

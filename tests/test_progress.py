@@ -1,0 +1,66 @@
+"""Progress a person can see: a bar on a terminal, log lines every tenth of an epoch or 30 s
+elsewhere, and the command line's console for a run started from Python."""
+
+from __future__ import annotations
+
+import logging
+
+from conftest import compose_config
+
+from trainer import Trainer
+from trainer.logging import console_unless_configured
+from trainer.progress_bar import StepProgress
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def logged_counts(caplog) -> list[int]:
+    return [
+        int(r.getMessage().split(" | ")[1].split("/")[0])
+        for r in caplog.records
+        if r.name == "trainer.progress"
+    ]
+
+
+def test_a_redirected_log_hears_every_tenth_of_an_epoch_and_every_30_seconds(caplog):
+    caplog.set_level(logging.INFO, logger="trainer.progress")
+    clock = Clock()
+    progress = StepProgress(1000, "epoch 1/1", terminal=False, clock=clock)
+    for step in range(1, 251):
+        clock.now += 31.0 if step == 205 else 0.01
+        progress.update()
+    assert logged_counts(caplog) == [100, 200, 205]
+    progress.set_postfix(loss="2.301")
+    for _ in range(50):
+        progress.update()
+    assert logged_counts(caplog)[-1] == 300 and caplog.records[-1].getMessage().endswith("| loss 2.301")
+
+
+def test_on_a_terminal_the_bar_moves_every_batch_and_stays_when_the_epoch_ends():
+    progress = StepProgress(40, "epoch 1/1", terminal=True)
+    for _ in range(40):
+        progress.update()
+    assert progress.bar.n == 40 and progress.bar.leave
+    progress.close()
+
+
+def test_a_run_from_python_logs_like_the_command_line_unless_the_caller_set_up_logging(
+    tmp_path, monkeypatch, capsys
+):
+    ours = logging.getLogger("trainer")
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])  # a plain script: nobody configured logging
+    monkeypatch.setattr(ours, "handlers", [])
+    monkeypatch.setattr(ours, "level", logging.NOTSET)
+    Trainer(compose_config("max_steps=2"), tmp_path / "run").fit()
+    shown = capsys.readouterr().out
+    assert "run folder:" in shown and "epoch 1/1 | step 2" in shown
+    monkeypatch.setattr(ours, "handlers", [])
+    monkeypatch.setattr(logging.getLogger(), "handlers", [logging.NullHandler()])  # the caller's own
+    console_unless_configured()
+    assert ours.handlers == []
