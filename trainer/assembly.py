@@ -29,6 +29,7 @@ from torch import nn
 from trainer import evaluation, mfu, perf
 from trainer.config import ConfigError, FlipMode, LoaderKind, TrainConfig
 from trainer.data import IMAGE_SIZE, Splits, gpu_loaders, load_source, torch_loaders
+from trainer.data.augment import CropFlip
 from trainer.distributed import Ranks
 from trainer.ema import NoAverage, WeightAverage, weight_average
 from trainer.models import build_model, initialize_from_data
@@ -183,8 +184,7 @@ def build_data(cfg: TrainConfig, ranks: Ranks, device: torch.device) -> tuple:
         rank=ranks.rank,
         world_size=ranks.world_size,
         cutout=cfg.data.cutout,
-        padding=cfg.data.crop_padding,
-        alternate_flip=cfg.data.flip is FlipMode.alternating,
+        crop_flip=CropFlip(cfg.data.crop_padding, alternate_flip=cfg.data.flip is FlipMode.alternating),
     )
     if cfg.data.loader is LoaderKind.gpu:
         if device.type != "cuda":

@@ -7,6 +7,8 @@ and resume points leave the augmented images unchanged.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -54,6 +56,21 @@ def augmentation(
     if alternate_flip and epoch % 2:
         flip = ~flip
     return top, left, flip
+
+
+@dataclass(frozen=True)
+class CropFlip:
+    """A loader's crop and flip settings (data.crop_padding, data.flip), drawn per epoch by
+    `augmentation`."""
+
+    padding: int = PADDING
+    alternate_flip: bool = False
+
+    def draw(self, seed: int, epoch: int, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return augmentation(seed, epoch, indices, self.padding, self.alternate_flip)
+
+
+DEFAULT_CROP_FLIP = CropFlip()  # 4-pixel padding, a random flip each epoch
 
 
 def cutout_corners(seed: int, epoch: int, indices: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:

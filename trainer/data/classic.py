@@ -17,8 +17,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from trainer.data.augment import (
-    PADDING,
-    augmentation,
+    DEFAULT_CROP_FLIP,
+    CropFlip,
     crop_and_flip_numpy,
     crop_windows,
     cutout_corners,
@@ -79,14 +79,12 @@ def with_cutout(images: np.ndarray, seed: int, epoch: int, index: np.ndarray, si
 class MemoryBatches(Dataset):
     """Batches cut from uint8 images held in memory."""
 
-    def __init__(
-        self, split: ImageSplit, seed: int, augment: bool, cutout: int, padding: int, alternate_flip: bool
-    ):
+    def __init__(self, split: ImageSplit, seed: int, augment: bool, cutout: int, crop_flip: CropFlip):
         self.labels, self.seed, self.augment, self.cutout = split.labels, seed, augment, cutout
-        self.padding, self.alternate_flip = padding, alternate_flip
+        self.crop_flip = crop_flip
         images = split.images.numpy()
         self.images = images
-        self.windows = crop_windows(pad(images, padding)) if augment else None
+        self.windows = crop_windows(pad(images, crop_flip.padding)) if augment else None
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -94,7 +92,7 @@ class MemoryBatches(Dataset):
     def __getitem__(self, key: EpochBatch) -> Batch:
         epoch, index = key
         if self.augment:
-            crops = augmentation(self.seed, epoch, index, self.padding, self.alternate_flip)
+            crops = self.crop_flip.draw(self.seed, epoch, index)
             images = crop_and_flip_numpy(self.windows, index, *crops)
         else:
             images = self.images[index]
@@ -105,11 +103,9 @@ class MemoryBatches(Dataset):
 class FileBatches(Dataset):
     """Batches decoded file by file, every epoch (folders too large to hold in memory)."""
 
-    def __init__(
-        self, split: ImageSplit, seed: int, augment: bool, cutout: int, padding: int, alternate_flip: bool
-    ):
+    def __init__(self, split: ImageSplit, seed: int, augment: bool, cutout: int, crop_flip: CropFlip):
         self.labels, self.files, self.seed, self.augment = split.labels, split.files, seed, augment
-        self.cutout, self.padding, self.alternate_flip = cutout, padding, alternate_flip
+        self.cutout, self.crop_flip = cutout, crop_flip
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -118,9 +114,9 @@ class FileBatches(Dataset):
         epoch, index = key
         images = np.stack([decode_image(self.files[i]) for i in index])
         if self.augment:
-            crops = augmentation(self.seed, epoch, index, self.padding, self.alternate_flip)
+            crops = self.crop_flip.draw(self.seed, epoch, index)
             images = crop_and_flip_numpy(
-                crop_windows(pad(images, self.padding)), np.arange(len(index)), *crops
+                crop_windows(pad(images, self.crop_flip.padding)), np.arange(len(index)), *crops
             )
         images = with_cutout(images, self.seed, epoch, index, self.cutout)
         return torch.from_numpy(images), self.labels[index]
@@ -138,11 +134,10 @@ def batches_of(
     seed: int,
     augment: bool,
     cutout: int = 0,
-    padding: int = PADDING,
-    alternate_flip: bool = False,
+    crop_flip: CropFlip = DEFAULT_CROP_FLIP,
 ) -> Dataset:
     kind = MemoryBatches if split.images is not None else FileBatches
-    return kind(split, seed, augment, cutout, padding, alternate_flip)
+    return kind(split, seed, augment, cutout, crop_flip)
 
 
 def torch_loaders(
@@ -154,14 +149,13 @@ def torch_loaders(
     world_size: int,
     loader_kwargs: dict,
     cutout: int = 0,
-    padding: int = PADDING,
-    alternate_flip: bool = False,
+    crop_flip: CropFlip = DEFAULT_CROP_FLIP,
 ) -> tuple[EpochLoader, EpochLoader]:
-    """cutout: the square's size in pixels for training batches (0: none); padding and
-    alternate_flip: as in trainer.data.augment.augmentation."""
+    """cutout: the square's size in pixels for training batches (0: none); crop_flip: how
+    they are cropped and flipped."""
     loaders = []
     for split, train in ((splits.train, True), (splits.test, False)):
         sampler = EpochBatches(len(split), batch_size, seed, rank, world_size, train)
-        dataset = batches_of(split, seed, augment and train, cutout if train else 0, padding, alternate_flip)
+        dataset = batches_of(split, seed, augment and train, cutout if train else 0, crop_flip)
         loaders.append(EpochLoader(dataset, batch_size=None, sampler=sampler, **loader_kwargs))
     return loaders[0], loaders[1]

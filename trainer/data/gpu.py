@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from trainer.data.augment import (
-    PADDING,
-    augmentation,
+    DEFAULT_CROP_FLIP,
+    CropFlip,
     crop_and_flip,
     cutout,
     cutout_corners,
@@ -44,17 +44,16 @@ class GpuLoader:
         rank: int = 0,
         world_size: int = 1,
         cutout: int = 0,
-        padding: int = PADDING,
-        alternate_flip: bool = False,
+        crop_flip: CropFlip = DEFAULT_CROP_FLIP,
     ):
         self.device = images.device
-        self.padding, self.alternate_flip = padding, alternate_flip
+        self.crop_flip = crop_flip
         self.labels = labels
         self.batch_size = batch_size
         self.augment = augment and train
         self.cutout = cutout if train else 0
         self.seed = seed
-        self.images = F.pad(images, (padding,) * 4) if self.augment else images
+        self.images = F.pad(images, (crop_flip.padding,) * 4) if self.augment else images
         self.batches = EpochBatches(len(labels), batch_size, seed, rank, world_size, train)
 
     def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
@@ -84,7 +83,7 @@ class GpuLoader:
         else:
             top, left, flip = (
                 torch.from_numpy(np.ascontiguousarray(values)).to(self.device)
-                for values in augmentation(self.seed, epoch, order[chunk], self.padding, self.alternate_flip)
+                for values in self.crop_flip.draw(self.seed, epoch, order[chunk])
             )
             images = crop_and_flip(self.images, index[chunk], top, left, flip)
         if self.cutout:
@@ -105,8 +104,7 @@ def gpu_loaders(
     world_size: int,
     device: torch.device,
     cutout: int = 0,
-    padding: int = PADDING,
-    alternate_flip: bool = False,
+    crop_flip: CropFlip = DEFAULT_CROP_FLIP,
 ) -> tuple[GpuLoader, GpuLoader]:
     loaders = []
     for split, train in ((splits.train, True), (splits.test, False)):
@@ -122,8 +120,7 @@ def gpu_loaders(
                 rank=rank,
                 world_size=world_size,
                 cutout=cutout,
-                padding=padding,
-                alternate_flip=alternate_flip,
+                crop_flip=crop_flip,
             )
         )
     return loaders[0], loaders[1]
