@@ -16,7 +16,7 @@ import torch
 from trainer.config import TrainConfig
 from trainer.data import Normalizer
 from trainer.perf.model import memory_format
-from trainer.perf.notes import at_default, cannot_act
+from trainer.perf.notes import cannot_act, cuda_only
 
 log = logging.getLogger(__name__)
 
@@ -44,13 +44,9 @@ def worker_count(cfg: TrainConfig, device: torch.device, processes_per_host: int
 
 
 def dataloader_kwargs(cfg: TrainConfig, device: torch.device, processes_per_host: int = 1) -> dict:
-    pin = cfg.pin_memory and device.type == "cuda"
-    if cfg.pin_memory and not pin:
-        cannot_act(
-            "pin_memory=true",
-            f"page-locked memory speeds copies to CUDA, device is {device}",
-            default=at_default(cfg, "pin_memory"),
-        )
+    pin = cuda_only(
+        cfg, "pin_memory", device, f"page-locked memory speeds copies to CUDA, device is {device}"
+    )
     workers = worker_count(cfg, device, processes_per_host)
     if cfg.num_workers == "auto":
         level = logging.INFO if device.type == "cuda" else logging.DEBUG
@@ -68,13 +64,7 @@ def dataloader_kwargs(cfg: TrainConfig, device: torch.device, processes_per_host
 def batch_mover(cfg: TrainConfig, device: torch.device) -> Callable[[Batch], Batch]:
     """Host-to-device copy of a uint8 batch in the model's memory format, then conversion to
     normalized float there."""
-    non_blocking = cfg.non_blocking and device.type == "cuda"
-    if cfg.non_blocking and not non_blocking:
-        cannot_act(
-            "non_blocking=true",
-            f"copies to {device} are synchronous",
-            default=at_default(cfg, "non_blocking"),
-        )
+    non_blocking = cuda_only(cfg, "non_blocking", device, f"copies to {device} are synchronous")
     fmt = memory_format(cfg)
     normalize = Normalizer(device)
 

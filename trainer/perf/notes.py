@@ -1,7 +1,7 @@
 """How a toggle that cannot act says so: one log line per toggle and run, naming it in
 override syntax.
 
-Owns: say_once, cannot_act, at_default, override_value.
+Owns: say_once, cannot_act, at_default, cuda_only, override_value.
 Must not touch: any toggle's effect (the other files of trainer/perf/).
 """
 
@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 from enum import Enum
+
+import torch
 
 from trainer.config import TrainConfig
 
@@ -39,6 +41,16 @@ def cannot_act(toggle: str, reason: str, *, default: bool = False) -> None:
 
 def at_default(cfg: TrainConfig, name: str) -> bool:
     return getattr(cfg, name) == TrainConfig.__dataclass_fields__[name].default
+
+
+def cuda_only(cfg: TrainConfig, name: str, device: torch.device, reason: str) -> bool:
+    """A boolean toggle that acts on CUDA only: its value there, False elsewhere (said once, at
+    DEBUG when the toggle is at its default)."""
+    asked = getattr(cfg, name)
+    if asked and device.type != "cuda":
+        cannot_act(f"{name}=true", reason, default=at_default(cfg, name))
+        return False
+    return asked
 
 
 def override_value(value: object) -> str:
