@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from trainer.checkpoint import resolve_checkpoint
-from trainer.config import ConfigError, to_train_config, unknown_key_message
+from trainer.config import ConfigError, TrainConfig, to_train_config, unknown_key_message
 from trainer.torchrun_env import started_by_torchrun
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -107,7 +107,8 @@ def check_sweep(overrides: list[str]) -> list[str]:
     return fixed
 
 
-def check_composition(overrides: list[str]) -> None:
+def check_composition(overrides: list[str]) -> TrainConfig:
+    """The config these overrides compose to, validated; ConfigError in one line when they do not."""
     try:
         with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
             cfg = compose("config", overrides=overrides)
@@ -120,6 +121,7 @@ def check_composition(overrides: list[str]) -> None:
         from trainer.models import check_target  # torch: the config is otherwise valid by now
 
         check_target(train_config.model.target)
+    return train_config
 
 
 def check_output_folder(overrides: list[str], multirun: bool) -> None:

@@ -128,7 +128,7 @@ class SilentRunLog(RunLog):
     def metrics(self, data: dict) -> None:
         pass
 
-    def progress(self, total: int, description: str) -> StepProgress:
+    def progress(self, total: int, description: str) -> NoProgress:
         return NoProgress()
 
     def hparams(self, config: dict, final: dict) -> None:

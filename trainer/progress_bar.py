@@ -77,11 +77,8 @@ class StepProgress:
             self.bar.close()
 
 
-class NoProgress(StepProgress):
-    """What ranks other than 0 show: nothing."""
-
-    def __init__(self, total: int = 0, description: str = ""):
-        self.bar = None
+class NoProgress:
+    """What ranks other than 0 show: nothing (StepProgress's calls, doing nothing)."""
 
     def update(self, n: int = 1) -> None:
         pass

@@ -24,7 +24,8 @@ from datetime import datetime
 from pathlib import Path
 
 from trainer.cli_checks import check_composition
-from trainer.config import ConfigError, register_schema, to_train_config
+from trainer.config import ConfigError, register_schema
+from trainer.report.jobs import parse_override
 from trainer.tune.candidates import NAMES, pick, split_for
 
 PROG = "python -m trainer.tune"
@@ -69,7 +70,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.repeats < 1 or args.budget_min <= 0 or not 0 <= args.min_gain < 1:
         parser.error("--repeats must be at least 1, --budget-min above 0 and --min-gain in [0, 1)")
     for override in args.overrides:
-        key = override.split("=", 1)[0].lstrip("+~")
+        key = parse_override(override)[0]
         if override.startswith("-") or any(
             key == r or (r.endswith(".") and key.startswith(r)) for r in RESERVED
         ):
@@ -110,13 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     register_schema()
     try:
         candidates = pick(args.toggles)
-        check_composition([*args.overrides, "perf=default"])
-        from hydra import compose, initialize_config_dir
-
-        from trainer.cli_checks import CONF_DIR
-
-        with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-            cfg = to_train_config(compose("config", overrides=[*args.overrides, "perf=default"]))
+        cfg = check_composition([*args.overrides, "perf=default"])
         sizes = batch_sizes(args.batch_sizes, cfg.batch_size)
         out = prepare_out(args.out or Path("outputs") / "tune" / f"{datetime.now():%Y-%m-%d/%H-%M-%S}")
     except (ConfigError, ValueError) as error:
@@ -126,14 +121,14 @@ def main(argv: list[str] | None = None) -> int:
 
     from trainer.trials import environment
     from trainer.tune.output import write_all
-    from trainer.tune.search import Bench, TuneError, key_of, search
+    from trainer.tune.search import Bench, TuneError, search
 
     device = (
         "cuda"
         if cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available())
         else "cpu"
     )
-    fixed_keys = {key_of(override) for override in args.overrides}
+    fixed_keys = {parse_override(override)[0] for override in args.overrides}
     split = split_for(candidates, device, cfg.model.target is not None, fixed_keys)
     header = [
         f"{environment()}; {args.epochs} epochs a trial (images/s over epochs 2-{args.epochs}), "

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from trainer.report.jobs import parse_override
+
 
 @dataclass(frozen=True)
 class Candidate:
@@ -21,7 +23,7 @@ class Candidate:
 
     @property
     def keys(self) -> set[str]:
-        return {override.split("=", 1)[0] for override in self.overrides}
+        return {parse_override(override)[0] for override in self.overrides}
 
 
 # perf=default already feeds the device (DataLoader workers, pinned memory, non-blocking

@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from trainer.report.jobs import parse_override
 from trainer.trials import append_jsonl, median_and_spread, run_trial, steady_numbers, trainer_command
 from trainer.tune.candidates import Candidate
 
@@ -52,15 +53,11 @@ class Setting:
         return (self.summary["max_img_per_s"] - self.summary["min_img_per_s"]) / self.img_per_s
 
 
-def key_of(override: str) -> str:
-    return override.split("=", 1)[0].lstrip("+~")
-
-
 def on_top(base: list[str], overrides: list[str]) -> list[str]:
     """base with overrides on top: a key set in both takes the latter's value (Hydra refuses a
     key given twice)."""
-    keys = {key_of(override) for override in overrides}
-    return [*(override for override in base if key_of(override) not in keys), *overrides]
+    keys = {parse_override(override)[0] for override in overrides}
+    return [*(override for override in base if parse_override(override)[0] not in keys), *overrides]
 
 
 def ordered_union(*override_lists: list[str] | tuple[str, ...]) -> list[str]:
