@@ -177,6 +177,15 @@ def seconds_per_call(
     return (clock() - started) / iterations
 
 
+def probe_bucket_mb(bucket_cap_mb: float | None, model) -> float:
+    """`bucket_cap_mb`, or for None what ddp_bucket_cap_mb=auto resolves to for `model`."""
+    from trainer.config import DataConfig, DataSource, TrainConfig
+    from trainer.perf import bucket_cap_mb as resolved_bucket_mb
+
+    auto = TrainConfig(data=DataConfig(source=DataSource.synthetic), ddp_bucket_cap_mb="auto")
+    return bucket_cap_mb or resolved_bucket_mb(auto, model)
+
+
 def probe_rank(ranks, warmup: int, iterations: int, bucket_cap_mb: float | None) -> dict:
     """In each launched rank: the all-reduce and the DDP step with and without its all-reduce,
     in buckets of `bucket_cap_mb` (None: ddp_bucket_cap_mb=auto, as the trainer resolves it)."""
@@ -184,9 +193,8 @@ def probe_rank(ranks, warmup: int, iterations: int, bucket_cap_mb: float | None)
     from torch import nn
 
     from trainer import distributed
-    from trainer.config import ModelConfig, TrainConfig
+    from trainer.config import ModelConfig
     from trainer.models import build_model
-    from trainer.perf import bucket_cap_mb as resolved_bucket_mb
 
     device = torch.device("cuda", ranks.local_rank)
     distributed.init_process_group("nccl", ranks, device)
@@ -196,7 +204,7 @@ def probe_rank(ranks, warmup: int, iterations: int, bucket_cap_mb: float | None)
             lambda: torch.distributed.all_reduce(gradient), torch.cuda.synchronize, warmup, iterations
         )
         model = build_model(ModelConfig(), num_classes=10).to(device, memory_format=torch.channels_last)
-        bucket_mb = bucket_cap_mb or resolved_bucket_mb(TrainConfig(ddp_bucket_cap_mb="auto"), model)
+        bucket_mb = probe_bucket_mb(bucket_cap_mb, model)
         model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index], bucket_cap_mb=bucket_mb)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         images = torch.randn(PROBE_BATCH, 3, 32, 32, device=device).to(memory_format=torch.channels_last)

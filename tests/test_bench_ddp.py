@@ -91,3 +91,12 @@ def test_an_unknown_group_is_one_line(capsys):
     assert capsys.readouterr().err == (
         "bench_ddp: unknown groups ['scaleing']: choose from probe, scaling, dataparallel, toggles\n"
     )
+
+
+def test_the_probe_resolves_auto_buckets_without_a_data_folder():
+    from trainer.config import ModelConfig
+    from trainer.models import build_model
+
+    model = build_model(ModelConfig(), num_classes=10)  # ResNet-18: a 42.6 MiB fp32 gradient
+    assert bench_ddp.probe_bucket_mb(None, model) == 44.0
+    assert bench_ddp.probe_bucket_mb(25.0, model) == 25.0
