@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -121,3 +122,36 @@ def test_a_real_trial_of_the_trainer(tmp_path):
     assert numbers["status"] == "completed"
     assert numbers["img_per_s"] == trial.metrics["history"][1]["img_per_s"]  # epoch 2 only
     assert numbers["test_acc"] == trial.metrics["test_acc"]
+
+
+def ended(pid: int) -> bool:
+    """Gone, or a zombie that no longer runs (its reaper may be slow, e.g. in a container)."""
+    try:
+        return "\nState:\tZ" in Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return True
+
+
+def test_a_trial_at_its_time_limit_takes_its_whole_process_group_along(tmp_path):
+    # The shell starts a child (as the trainer starts DDP ranks and loader workers) and both
+    # outlive the limit; the shell's output up to the limit is kept.
+    command = ["sh", "-c", "sleep 600 & echo child $!; sleep 600"]
+    trial = trials.run_trial(command, tmp_path / "run", timeout_s=3)
+
+    assert trial.failure == "timed out after 3 s"
+    child = int(trial.stdout.split()[1])
+    assert (tmp_path / "run" / "output.log").read_text().startswith(f"child {child}")
+    for _ in range(100):  # a killed process may linger a moment before it is reaped
+        if ended(child):
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"the trial's child {child} still runs after the trial's time limit")
+
+
+def test_a_timed_out_trial_ends_its_series(capsys):
+    runs = trials.repeat(lambda index: {"status": "timed out after 300 s"}, 3, "s | row")
+
+    assert len(runs) == 1
+    last_line = capsys.readouterr().out.splitlines()[-1]
+    assert last_line == "  s | row | the other 2 run(s) skipped: run 1 timed out"

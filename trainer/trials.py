@@ -16,7 +16,10 @@ torch is imported only by `environment()`, so the report can use this module wit
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -27,6 +30,7 @@ from datetime import datetime
 from pathlib import Path
 
 METRICS = "metrics.json"
+TIMED_OUT = "timed out"  # how a trial stopped at its time limit is reported
 
 
 def timed_epochs(history: list[dict]) -> list[dict]:
@@ -63,7 +67,7 @@ class Trial:
     def failure(self) -> str | None:
         """Why the trial has no numbers (one line), or None."""
         if self.returncode is None:
-            return f"timed out after {self.timeout_s:.0f} s"
+            return f"{TIMED_OUT} after {self.timeout_s:.0f} s"
         if self.returncode != 0 or not self.metrics:
             tail = (self.stderr or self.stdout).strip().splitlines()[-1:] or ["?"]
             return f"failed: {tail[0][:120]}"
@@ -77,18 +81,39 @@ def run_trial(
     cwd: Path | None = None,
     env: dict | None = None,
 ) -> Trial:
-    """Run one trial process; its output is kept in run_dir/output.log."""
+    """Run one trial process; its output is kept in run_dir/output.log (up to the time limit,
+    when it hits it). The trial gets a process group of its own, and a trial stopped at the
+    limit or by the caller's interrupt takes every process in it along (DDP ranks and loader
+    workers are its children: left running, they would hold the GPUs of the next trial)."""
     started = time.perf_counter()
+    process = subprocess.Popen(
+        command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    returncode: int | None
     try:
-        result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout_s)
+        stdout, stderr = process.communicate(timeout=timeout_s)
+        returncode = process.returncode
     except subprocess.TimeoutExpired:
-        return Trial(run_dir, {}, None, "", "", time.perf_counter() - started, timeout_s)
+        stop_group(process)
+        stdout, stderr = process.communicate()
+        returncode = None
+    except BaseException:
+        stop_group(process)
+        raise
     process_s = time.perf_counter() - started
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "output.log").write_text(result.stdout + result.stderr)
+    (run_dir / "output.log").write_text(stdout + stderr)
     metrics_file = run_dir / METRICS
-    metrics = json.loads(metrics_file.read_text()) if metrics_file.is_file() else {}
-    return Trial(run_dir, metrics, result.returncode, result.stdout, result.stderr, process_s, timeout_s)
+    finished = returncode is not None and metrics_file.is_file()
+    metrics = json.loads(metrics_file.read_text()) if finished else {}
+    return Trial(run_dir, metrics, returncode, stdout, stderr, process_s, timeout_s)
+
+
+def stop_group(process: subprocess.Popen) -> None:
+    """SIGKILL to every process in the trial's group (it leads it: start_new_session)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
 
 
 def steady_numbers(trial: Trial) -> dict:
@@ -108,7 +133,8 @@ def steady_numbers(trial: Trial) -> dict:
 
 
 def repeat(run: Callable[[int], dict], repeats: int, label: str) -> list[dict]:
-    """run(0), ..., run(repeats - 1), each trial's images/s printed as a line as it ends."""
+    """run(0), ..., run(repeats - 1), each trial's images/s printed as a line as it ends. A trial
+    that timed out ends the series: a hang repeats, and each would cost the whole time limit."""
     runs = []
     for index in range(repeats):
         started = time.perf_counter()
@@ -118,6 +144,9 @@ def repeat(run: Callable[[int], dict], repeats: int, label: str) -> list[dict]:
             f"({runs[-1]['status']}, {time.perf_counter() - started:.0f} s)",
             flush=True,
         )
+        if runs[-1]["status"].startswith(TIMED_OUT) and index + 1 < repeats:
+            print(f"  {label} | the other {repeats - index - 1} run(s) skipped: run {index + 1} timed out")
+            break
     return runs
 
 
