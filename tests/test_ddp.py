@@ -254,19 +254,23 @@ def test_ddp_resume_after_a_stop_matches_the_uninterrupted_run(tmp_path, uninter
     assert_same_weights(tmp_path / "resumed", uninterrupted)
 
 
-def launched_ranks(launcher_pid: int) -> list[int]:
-    """The launcher's children that run a rank (multiprocessing spawn children, not its helpers)."""
-    ranks = []
+def children(pid: int) -> list[tuple[int, bytes]]:
+    """(pid, command line) of each child of `pid`."""
+    found = []
     for proc in Path("/proc").iterdir():
         try:
-            parent = (
-                int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1]) if proc.name.isdigit() else 0
-            )
-            if parent == launcher_pid and b"spawn_main" in (proc / "cmdline").read_bytes():
-                ranks.append(int(proc.name))
+            if proc.name.isdigit() and int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append((int(proc.name), (proc / "cmdline").read_bytes()))
         except OSError:
             pass
-    return ranks
+    return found
+
+
+def launched_ranks(launcher_pid: int) -> list[int]:
+    """The launcher's ranks: the children of its multiprocessing fork server (trainer/distributed.py
+    forks the ranks from it), in pid order."""
+    servers = [pid for pid, command in children(launcher_pid) if b"forkserver" in command]
+    return sorted(rank for server in servers for rank, _ in children(server))
 
 
 def test_a_killed_rank_restarts_the_group_from_the_last_checkpoint(tmp_path, uninterrupted):

@@ -65,19 +65,38 @@ def small(*changes: str) -> list[str]:
     return [arg for arg in SMALL if arg.partition("=")[0] not in keys] + list(changes)
 
 
+# Every run start() launched: one a failed probe leaves running (LONG runs train for minutes) is
+# ended with its ranks after this file, so that it cannot slow down or disturb what runs next.
+STARTED: list[subprocess.Popen] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_run_outlives_this_file():
+    yield
+    for process in STARTED:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
 def start(args: list[str], run_dir: Path, env: dict | None = None) -> subprocess.Popen:
-    """`python -m trainer ARGS hydra.run.dir=run_dir`, its output into files beside the folder."""
+    """`python -m trainer ARGS hydra.run.dir=run_dir` in a process group of its own, its output
+    into files beside the folder."""
     with (
         open(run_dir.parent / f"{run_dir.name}.stdout", "w") as stdout,
         open(run_dir.parent / f"{run_dir.name}.stderr", "w") as stderr,
     ):
-        return subprocess.Popen(
-            [sys.executable, "-m", "trainer", *args, f"hydra.run.dir={run_dir}"],
-            cwd=run_dir.parent,
-            env=cli_environment(env),
-            stdout=stdout,
-            stderr=stderr,
+        STARTED.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "trainer", *args, f"hydra.run.dir={run_dir}"],
+                cwd=run_dir.parent,
+                env=cli_environment(env),
+                stdout=stdout,
+                stderr=stderr,
+                start_new_session=True,
+            )
         )
+        return STARTED[-1]
 
 
 def finish(process: subprocess.Popen, run_dir: Path, **facts) -> Outcome:

@@ -18,7 +18,6 @@ import traceback
 from collections.abc import Callable
 
 import torch
-import torchvision
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -61,6 +60,8 @@ def resnet18(num_classes: int, conv_bias: bool = True) -> nn.Module:
     followed by BatchNorm, which cancels it, so conv_bias=False (torchvision's own choice)
     saves the work.
     """
+    import torchvision  # imported where used: see trainer/data/sources/cifar10.py
+
     model = torchvision.models.resnet18(num_classes=num_classes)
     model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
     model.maxpool = nn.Identity()

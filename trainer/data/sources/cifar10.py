@@ -6,15 +6,22 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from torchvision import datasets
 
 from trainer.config import DataConfig
 from trainer.data.sources.splits import DatasetNotFoundError, ImageSplit, Splits
 
+if TYPE_CHECKING:
+    from torchvision import datasets
+
 
 def load_cifar10(cfg: DataConfig) -> Splits:
+    # torchvision is imported where it is used: `import torchvision` loads torch._dynamo (through
+    # torchvision.ops), about 2 s of every process start that does not need it.
+    from torchvision import datasets
+
     root = Path(os.path.expanduser(cfg.root))
     try:
         train = datasets.CIFAR10(root, train=True, download=cfg.download)

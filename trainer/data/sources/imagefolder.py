@@ -19,7 +19,6 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image
-from torchvision import datasets
 from tqdm import tqdm
 
 from trainer.config import DataConfig, DecodeMode
@@ -124,6 +123,8 @@ def load_image_split(
 
 
 def load_imagefolder(cfg: DataConfig, processes: int) -> Splits:
+    from torchvision import datasets  # imported where used: see load_cifar10
+
     root = Path(os.path.expanduser(cfg.root))
     found = {}
     for split in ("train", "test"):
