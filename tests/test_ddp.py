@@ -267,10 +267,9 @@ def children(pid: int) -> list[tuple[int, bytes]]:
 
 
 def launched_ranks(launcher_pid: int) -> list[int]:
-    """The launcher's ranks: the children of its multiprocessing fork server (trainer/distributed.py
-    forks the ranks from it), in pid order."""
-    servers = [pid for pid, command in children(launcher_pid) if b"forkserver" in command]
-    return sorted(rank for server in servers for rank, _ in children(server))
+    """The launcher's children that run a rank (multiprocessing spawn children, not its helpers),
+    in pid order."""
+    return sorted(pid for pid, command in children(launcher_pid) if b"spawn_main" in command)
 
 
 def test_a_killed_rank_restarts_the_group_from_the_last_checkpoint(tmp_path, uninterrupted):
@@ -299,3 +298,28 @@ def test_impossible_ddp_requests_are_config_errors(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="devices=3 but this host has 2 GPU"):
         Trainer(compose_config("ddp=true", "devices=3", "device=cuda"), tmp_path / "c").fit()
     assert read_metrics(tmp_path / "c")["status"] == "failed"
+
+
+def test_the_reported_failure_is_the_cause_not_its_echo():
+    """A rank's user error first; else a rank a signal ended, even when another rank's broken
+    collective was recorded before the agent noticed it; else the earliest."""
+    from types import SimpleNamespace
+
+    from trainer.distributed import _cause
+
+    def failure(message, exitcode, timestamp):
+        return SimpleNamespace(message={"message": message}, exitcode=exitcode, timestamp=timestamp)
+
+    echo = failure("RuntimeError: gloo: Connection closed by peer", 1, 10)
+    killed = failure("Signal 9 (SIGKILL) received by PID 7", -9, 11)
+    user = failure("ConfigError: set data.root=/path", 1, 12)
+    assert _cause(SimpleNamespace(failures={0: echo, 1: killed})) == (
+        1,
+        "Signal 9 (SIGKILL) received by PID 7",
+    )
+    assert _cause(SimpleNamespace(failures={0: echo, 1: killed, 2: user})) == (2, "set data.root=/path")
+    later = failure("RuntimeError: second", 1, 20)
+    assert _cause(SimpleNamespace(failures={0: later, 1: echo})) == (
+        1,
+        "RuntimeError: gloo: Connection closed by peer",
+    )

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import multiprocessing
 import os
 import shutil
 import signal
@@ -212,14 +211,10 @@ def launch(
         rdzv_endpoint=f"127.0.0.1:{free_port()}",
         max_restarts=max_restarts,
         monitor_interval=0.2,
-        start_method="forkserver",
+        start_method="spawn",
         logs_specs=DefaultLogsSpecs(log_dir=error_files),
         **{name: value for name, value in newer.items() if name in supported},
     )
-    # Ranks are forked from a server process that has imported torch and the trainer once, not
-    # spawned to import them each (about 5 s of CPU a rank; the server stays for the process's
-    # later launches: a sweep's jobs, a restarted group).
-    multiprocessing.get_context("forkserver").set_forkserver_preload(["trainer.trainer", "trainer.run"])
     previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
     # A restarted group must not meet in the agent's rendezvous store: the killed group's
     # gloo addresses are still there, and a new rank that reads one first connects to a dead
@@ -265,8 +260,9 @@ def _trainer_error_names() -> set[str]:
 
 
 def _cause(error) -> tuple[int, str]:
-    """The failure to report: a user error if a rank had one (the others' broken collectives
-    are its echo), else the earliest; its message in one line."""
+    """The failure to report: a user error if a rank had one, else a rank ended by a signal
+    (kill -9, the OOM killer), else the earliest; its message in one line. The others' broken
+    collectives are their echo, and may be recorded before the agent notices a killed rank."""
     user_errors = _trainer_error_names()
     reports = []
     for rank, failure in error.failures.items():
@@ -274,6 +270,7 @@ def _cause(error) -> tuple[int, str]:
         kind, _, text = message.partition(": ")
         user = kind in user_errors
         line = ((text if user else message).strip() or f"exit code {failure.exitcode}").splitlines()[0]
-        reports.append((not user, failure.timestamp, rank, line))
-    _, _, rank, message = min(reports)
+        signalled = failure.exitcode < 0  # elastic's exit code for a process a signal ended
+        reports.append((not user, not signalled, failure.timestamp, rank, line))
+    *_, rank, message = min(reports)
     return rank, message
