@@ -319,6 +319,7 @@ def test_profile_writes_a_trace_and_logs_top_ops(tmp_path, caplog):
     traces = list((tmp_path / "run" / "profile").glob("*.pt.trace.json"))
     assert len(traces) == 1 and traces[0].stat().st_size > 1000
     assert "profile: top ops" in caplog.text and "aten::" in caplog.text
+    assert f"trace {traces[0]} (open it in https://ui.perfetto.dev" in caplog.text  # where, and how
 
 
 def test_data_wait_is_measured_and_a_slow_pipeline_gets_a_hint(tmp_path, caplog):

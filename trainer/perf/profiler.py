@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -46,11 +47,13 @@ class Profiler:
 
     def _save(self, profiler: torch.profiler.profile) -> None:
         torch.profiler.tensorboard_trace_handler(self.trace_dir)(profiler)
+        traces = sorted(Path(self.trace_dir).glob("*.pt.trace.json*"), key=lambda path: path.stat().st_mtime)
         sort_by = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
         log.info(
-            "profile: top ops over %d steps (trace in %s)\n%s",
+            "profile: top ops over %d steps; trace %s (open it in https://ui.perfetto.dev or "
+            "chrome://tracing)\n%s",
             self.active_steps,
-            self.trace_dir,
+            traces[-1] if traces else self.trace_dir,
             profiler.key_averages().table(sort_by=sort_by, row_limit=15),
         )
 
