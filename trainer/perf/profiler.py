@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,14 +47,19 @@ class Profiler:
         self.profiler.start()
 
     def _save(self, profiler: torch.profiler.profile) -> None:
-        torch.profiler.tensorboard_trace_handler(self.trace_dir)(profiler)
-        traces = sorted(Path(self.trace_dir).glob("*.pt.trace.json*"), key=lambda path: path.stat().st_mtime)
+        # The handler's own worker name (<host>_<pid>), given so that the line below names this
+        # process's trace and not another rank's in the same folder (the newest: a run resumed
+        # into the same folder by this process adds another).
+        worker = f"{socket.gethostname()}_{os.getpid()}"
+        torch.profiler.tensorboard_trace_handler(self.trace_dir, worker_name=worker)(profiler)
+        ours = Path(self.trace_dir).glob(f"{worker}.*.pt.trace.json")
+        trace = max(ours, key=lambda path: path.stat().st_mtime)
         sort_by = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
         log.info(
             "profile: top ops over %d steps; trace %s (open it in https://ui.perfetto.dev or "
             "chrome://tracing)\n%s",
             self.active_steps,
-            traces[-1] if traces else self.trace_dir,
+            trace,
             profiler.key_averages().table(sort_by=sort_by, row_limit=15),
         )
 
