@@ -5,7 +5,9 @@ worker count that num_workers=auto picks."""
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
+import pickle
 
 import numpy as np
 import pytest
@@ -16,7 +18,7 @@ from PIL import Image
 from trainer import Trainer
 from trainer.config import to_train_config
 from trainer.data import CorruptImageError, load_source, torch_loaders
-from trainer.perf import worker_count
+from trainer.perf import dataloader_kwargs, worker_count
 
 CLASSES = ("cat", "dog", "ship")
 
@@ -114,6 +116,28 @@ def test_a_corrupt_image_stops_the_command_before_training(image_folder, tmp_pat
     assert len(errors) == 1 and f"cannot decode image {corrupt}" in errors[0]
     assert not list(tmp_path.rglob("*.pt"))
     assert "epoch 1/1" not in result.stdout  # found while loading, not after an epoch
+
+
+def test_a_dataset_sent_to_a_spawned_worker_is_its_images_not_every_crop_of_them(image_folder):
+    splits = load_source(data_config(image_folder, "data.decode=once"), seed=0)
+    train, _ = torch_loaders(splits, True, 8, 0, 0, 1, {})
+    train.set_epoch(1)
+    key = next(iter(train.sampler))
+    dataset = train.dataset
+    sent = pickle.dumps(dataset)
+    received = pickle.loads(sent)
+
+    assert len(sent) < 3 * dataset.padded.nbytes < dataset.windows.size  # 81 crop windows per image
+    for got, expected in zip(received[key], dataset[key], strict=True):
+        assert torch.equal(got, expected)
+
+
+@pytest.mark.skipif("fork" not in multiprocessing.get_all_start_methods(), reason="this platform cannot fork")
+def test_dataloader_workers_are_forked_where_the_platform_can():
+    cfg = to_train_config(compose_config("num_workers=2"))
+
+    kwargs = dataloader_kwargs(cfg, torch.device("cpu"))
+    assert kwargs["multiprocessing_context"].get_start_method() == "fork"
 
 
 @pytest.mark.parametrize(

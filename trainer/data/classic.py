@@ -82,9 +82,20 @@ class MemoryBatches(Dataset):
     def __init__(self, split: ImageSplit, seed: int, augment: bool, cutout: int, crop_flip: CropFlip):
         self.labels, self.seed, self.augment, self.cutout = split.labels, seed, augment, cutout
         self.crop_flip = crop_flip
-        images = split.images.numpy()
-        self.images = images
-        self.windows = crop_windows(pad(images, crop_flip.padding)) if augment else None
+        self.images = split.images.numpy()
+        self.padded = pad(self.images, crop_flip.padding) if augment else None
+        self.windows = crop_windows(self.padded) if augment else None
+
+    def __getstate__(self) -> dict:
+        # `windows` is a strided view, (N, C, 9, 9, 32, 32) over the padded images: pickled (a
+        # spawned DataLoader worker is sent its dataset) it would be copied out whole, 81x the
+        # padded images. Workers rebuild the view from the padded images instead.
+        return {**self.__dict__, "windows": None}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        if self.padded is not None:
+            self.windows = crop_windows(self.padded)
 
     def __len__(self) -> int:
         return len(self.labels)
