@@ -141,3 +141,21 @@ def test_auto_buckets_hold_a_small_gradient_whole_and_leave_a_large_one_to_torch
     assert to_train_config(compose_config("perf=fast", small=False)).ddp_gradient_as_bucket_view
     with pytest.raises(ConfigError, match="ddp_bucket_cap_mb must be auto or a size in MB above 0"):
         to_train_config(compose_config("ddp_bucket_cap_mb=0"))
+
+
+def test_one_bucket_compiles_as_one_graph_and_smaller_buckets_keep_dynamos_split(monkeypatch):
+    import torch._dynamo
+
+    from trainer.perf.ddp import one_compiled_graph
+
+    monkeypatch.setattr(torch._dynamo.config, "optimize_ddp", True)  # torch's default, put back after
+    with torch.device("meta"):
+        resnet18 = build_model(to_train_config(compose_config("model=resnet18")).model, num_classes=10)
+    for overrides in (["compile=false"], ["compile=true", "ddp_bucket_cap_mb=25"]):
+        cfg = to_train_config(compose_config("model=resnet18", *overrides))
+        one_compiled_graph(cfg, resnet18, bucket_cap_mb(cfg, resnet18))
+        assert torch._dynamo.config.optimize_ddp is True, overrides
+
+    cfg = to_train_config(compose_config("model=resnet18", "compile=true"))
+    one_compiled_graph(cfg, resnet18, bucket_cap_mb(cfg, resnet18))
+    assert torch._dynamo.config.optimize_ddp is False

@@ -10,6 +10,7 @@ from conftest import compose_config
 from torch import nn
 
 from trainer import Trainer, perf
+from trainer.config import to_train_config
 from trainer.data import GpuLoader, ImageSplit, Splits, crop_and_flip, gpu_loaders, torch_loaders
 from trainer.data.augment import CUTOUT_FILL
 from trainer.models import CheckpointedStage, build_model
@@ -178,6 +179,19 @@ def test_backend_flags(tmp_path, caplog):
     assert "tf32=true has no effect here" in caplog.text
     built(tmp_path / "off")
     assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+
+
+def test_data_parallel_turns_cudnn_autotuning_off(monkeypatch, caplog):
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)  # put back afterwards
+    caplog.set_level(logging.INFO)
+    gpu = torch.device("cuda", 0)  # only its type is read: no CUDA needed
+    split = to_train_config(compose_config("data_parallel=true", "devices=2", "cudnn_benchmark=true"))
+    perf.apply_backend_flags(split, gpu)
+    assert not torch.backends.cudnn.benchmark
+    assert "cudnn_benchmark=true has no effect here (data_parallel=true would autotune" in caplog.text
+
+    perf.apply_backend_flags(to_train_config(compose_config("devices=2", "cudnn_benchmark=true")), gpu)
+    assert torch.backends.cudnn.benchmark
 
 
 def test_fused_optimizer(tmp_path):

@@ -63,6 +63,10 @@ TORCH_BUCKET_MB = 25.0  # DistributedDataParallel's own default
 ONE_BUCKET_UP_TO_MB = 128
 
 
+def gradient_mb(module: nn.Module) -> float:
+    return sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad) / 2**20
+
+
 def bucket_cap_mb(cfg: TrainConfig, module: nn.Module) -> float:
     """ddp_bucket_cap_mb, with auto resolved for this model's gradient.
 
@@ -74,8 +78,23 @@ def bucket_cap_mb(cfg: TrainConfig, module: nn.Module) -> float:
     that communication still overlaps a backward long enough to hide it."""
     if cfg.ddp_bucket_cap_mb != "auto":
         return float(cfg.ddp_bucket_cap_mb)
-    gradient_mb = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad) / 2**20
-    return float(math.ceil(gradient_mb) + 1) if gradient_mb <= ONE_BUCKET_UP_TO_MB else TORCH_BUCKET_MB
+    size = gradient_mb(module)
+    return float(math.ceil(size) + 1) if size <= ONE_BUCKET_UP_TO_MB else TORCH_BUCKET_MB
+
+
+def one_compiled_graph(cfg: TrainConfig, module: nn.Module, bucket_mb: float) -> None:
+    """With compile on and the whole gradient in one bucket, compile the model as one graph.
+
+    torch.compile splits a DDP model's graph where DDP's buckets end (and after a small first
+    bucket of about 1 MB), so that each bucket's all-reduce can start while backward goes on.
+    With one bucket there is nothing to overlap, and the split only adds a second graph with
+    eager work between the two: on 2 H200s (ResNet-18, 512 images per GPU, perf=fast, one call)
+    one graph ran at 149.2k and 150.2k img/s, the split graph at 132.8k and 128.2k.
+    Buckets smaller than the gradient keep the split. The switch is dynamo's, for this process
+    (a rank is one)."""
+    if cfg.compile and bucket_mb >= gradient_mb(module):
+        torch._dynamo.config.optimize_ddp = False
+        log.info("ddp: compiled as one graph (one gradient bucket: no all-reduce to overlap)")
 
 
 def distributed_data_parallel(
@@ -91,6 +110,7 @@ def distributed_data_parallel(
         gradient_as_bucket_view=cfg.ddp_gradient_as_bucket_view,
         static_graph=cfg.ddp_static_graph,
     )
+    one_compiled_graph(cfg, module, bucket_mb)
     hook = comm_hook(cfg)
     if hook is not None:
         model.register_comm_hook(*hook)
