@@ -104,6 +104,17 @@ def run_folders(root: Path) -> list[Path]:
     return sorted(path.parent for path in root.rglob(".hydra"))
 
 
+def sweep_job(sweep: Path, number: int) -> Path:
+    """A sweep's job folder by its number (named <number>_<swept overrides>, trainer/job_names.py)."""
+    [folder] = [path for path in sweep.iterdir() if path.is_dir() and path.name.split("_")[0] == str(number)]
+    return folder
+
+
+def job_number(name: str) -> str:
+    """'3' of a report's job name '3_amp=true,channels_last=true'."""
+    return name.split("_")[0]
+
+
 @pytest.fixture
 def config():
     return compose_config

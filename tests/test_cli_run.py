@@ -6,8 +6,10 @@ import math
 import re
 
 import torch
-from conftest import SMALL, TOGGLE_SWEEP, read_metrics, run_cli, run_folders
+from conftest import SMALL, TOGGLE_SWEEP, compose_config, read_metrics, run_cli, run_folders
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from trainer import Trainer
 
 TAGS = ("train/loss", "train/acc", "test/loss", "test/acc", "lr", "perf/img_per_s", "perf/epoch_s")
 TIMESTAMP = r"\d{4}-\d{2}-\d{2}/\d{2}-\d{2}-\d{2}\.\d{6}"  # <date>/<time with microseconds>
@@ -48,10 +50,11 @@ def test_a_run_leaves_one_folder_with_checkpoint_metrics_and_tensorboard(tmp_pat
 
     logged = scalars(run)
     assert set(TAGS) <= set(logged)
-    assert [step for step, _ in logged["train/loss"]] == [2, 4, 6, 8, 10, 12, 14, 16]
+    # the x axis is images trained on (tb_step=images): optimizer steps x the batch of 32
+    assert [x for x, _ in logged["train/loss"]] == [32 * step for step in (2, 4, 6, 8, 10, 12, 14, 16)]
     assert all(math.isfinite(loss) and loss > 0 for _, loss in logged["train/loss"])
     assert all(lr > 0 for _, lr in logged["lr"])
-    assert [step for step, _ in logged["test/acc"]] == [8, 16]
+    assert [x for x, _ in logged["test/acc"]] == [32 * 8, 32 * 16]
     assert all(0.0 <= accuracy <= 1.0 for _, accuracy in logged["test/acc"])
     assert math.isclose(logged["test/acc"][-1][1], metrics["test_acc"], rel_tol=1e-6)  # TB holds float32
     assert all(0.0 <= accuracy <= 1.0 for _, accuracy in logged["train/acc"])
@@ -65,9 +68,40 @@ def test_a_sweep_leaves_one_completed_folder_per_job(toggle_sweep):
     settings = [(amp, layout) for amp in (False, True) for layout in (False, True)]  # Hydra's job order
     assert len(set(runs)) == len(settings)
     for job, (run, (amp, layout)) in enumerate(zip(runs, settings)):
-        assert re.fullmatch(f"multirun/{TIMESTAMP}/{job}", run.relative_to(outputs).as_posix())
+        name = f"{job}_amp={str(amp).lower()},channels_last={str(layout).lower()}"  # the swept keys only
+        assert re.fullmatch(f"multirun/{TIMESTAMP}/{name}", run.relative_to(outputs).as_posix())
         metrics = read_metrics(run)
         assert metrics["status"] == "completed"
         assert metrics["overrides"] == [*TOGGLE_SWEEP, f"amp={amp}", f"channels_last={layout}"]
         assert metrics["steps"] == 4  # 2 epochs of 64 images / batch 32
         assert (run / "checkpoints" / "last.pt").is_file()
+
+
+def test_tb_step_puts_optimizer_steps_or_images_on_the_x_axis(tmp_path):
+    """Batches of 32, two per optimizer step (grad_accum_steps=2): images advance 64 a step."""
+    overrides = ("max_steps=2", "log_every=1", "grad_accum_steps=2", "data.train_size=128")
+    for axis, per_step in (("images", 64), ("step", 1)):
+        Trainer(compose_config(*overrides, f"tb_step={axis}"), tmp_path / axis).fit()
+        assert [x for x, _ in scalars(tmp_path / axis)["train/loss"]] == [per_step, 2 * per_step], axis
+    assert "test/acc_trained" not in scalars(tmp_path / "step")  # only beside a weight average
+
+
+def test_a_sweep_job_is_named_by_the_values_it_was_swept_over(tmp_path):
+    from trainer.job_names import job_dir_name
+
+    task = ["model=cnn", "amp=false,true", "data.root=/data/cifar 10", "+optim.x=1,2"]
+    (tmp_path / "multirun.yaml").write_text(f"hydra:\n  overrides:\n    task: {task}\n")
+    job = ["model=cnn", "amp=True", "data.root=/data/cifar 10", "+optim.x=2"]
+    assert job_dir_name(3, job, str(tmp_path)) == "3_amp=true,+optim.x=2"
+    # without the sweep's command line (another launcher): every override, made safe for a path
+    assert (
+        job_dir_name(3, job, str(tmp_path / "absent"))
+        == "3_model=cnn,amp=true,data.root=-data-cifar-10,+optim.x=2"
+    )
+    long = job_dir_name(12, [f"data.root=/{'x' * 300}"], str(tmp_path / "absent"))
+    assert (
+        long.startswith("12_data.root=-xxx")
+        and len(long) == 3 + 96
+        and long != job_dir_name(12, [f"data.root=/{'x' * 301}"], str(tmp_path / "absent"))
+    )
+    assert job_dir_name(0, [], str(tmp_path)) == "0"

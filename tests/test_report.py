@@ -3,20 +3,32 @@ failed and unfinished jobs, seed groups; and TensorBoard HParams for every job o
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from conftest import HANG_GUARD_S, SWEEP_SMALL, cli_environment, read_metrics, run_folders, sweep
+from conftest import (
+    HANG_GUARD_S,
+    SWEEP_SMALL,
+    cli_environment,
+    job_number,
+    read_metrics,
+    run_folders,
+    sweep,
+    sweep_job,
+)
 from matplotlib.image import imread
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
-from tensorboard.plugins.hparams import plugin_data_pb2
 
 from trainer.report import __main__ as report
 
@@ -51,13 +63,73 @@ def markdown_rows(text: str, first_cell: str) -> list[list[str]]:
 
 
 def job_metrics(sweep_folder: Path) -> dict[str, dict]:
-    return {job.name: read_metrics(job) for job in run_folders(sweep_folder)}
+    return {job_number(job.name): read_metrics(job) for job in run_folders(sweep_folder)}
 
 
-def hparam_text(value) -> str:
-    """'true'/'false' whether the bool was stored as a number (torch does that) or as text."""
-    kind = value.WhichOneof("kind")
-    return value.string_value.lower() if kind == "string_value" else str(bool(getattr(value, kind))).lower()
+@contextlib.contextmanager
+def tensorboard_server(logdir: Path, runs: int) -> Iterator[Callable[..., object]]:
+    """A real TensorBoard on a free localhost port, serving logdir once it has loaded `runs`
+    runs; yields api(path, body=None) -> its JSON answer (a POST when there is a body)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "tensorboard.main", "--logdir", str(logdir), "--host", "127.0.0.1"]
+    command += ["--port", str(port), "--load_fast", "false", "--reload_interval", "1"]
+    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    def api(path: str, body: dict | None = None):
+        data = None if body is None else json.dumps(body).encode()
+        headers = {"Content-Type": "application/json", "X-XSRF-Protected": "1"}
+        request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data, headers=headers)
+        with urllib.request.urlopen(request, timeout=30) as answer:
+            return json.loads(answer.read())
+
+    try:
+        deadline = time.monotonic() + HANG_GUARD_S
+        while True:
+            assert server.poll() is None, f"tensorboard exited: {server.stderr.read()[-2000:]}"
+            assert time.monotonic() < deadline, "tensorboard never served the runs"
+            with contextlib.suppress(OSError):
+                if len(api("/data/runs")) >= runs:
+                    break
+            time.sleep(0.5)
+        yield api
+    finally:
+        server.kill()
+        server.wait()
+
+
+def test_tensorboard_serves_the_sweep_by_job_name_with_the_swept_hparams_first(toggle_sweep):
+    jobs = run_folders(toggle_sweep)
+    with tensorboard_server(toggle_sweep, len(jobs)) as api:
+        runs = api("/data/runs")
+        experiment = api("/data/plugin/hparams/experiment", {"experimentName": ""})
+        tags = api("/data/plugin/scalars/tags")
+        columns = [{"hparam": info["name"]} for info in experiment["hparamInfos"]]
+        columns += [{"metric": info["name"]} for info in experiment["metricInfos"]]
+        statuses = ["STATUS_UNKNOWN", "STATUS_SUCCESS", "STATUS_FAILURE", "STATUS_RUNNING"]
+        query = {"experimentName": "", "allowedStatuses": statuses, "colParams": columns}
+        groups = api("/data/plugin/hparams/session_groups", query | {"startIndex": 0, "sliceSize": 100})
+        run = f"{jobs[-1].name}/tb"
+        accuracy = api(f"/data/plugin/scalars/scalars?run={urllib.parse.quote(run)}&tag=test%2Facc")
+
+    # the legend: each job by the values it was swept over
+    swept = [(amp, layout) for amp in ("false", "true") for layout in ("false", "true")]  # Hydra's order
+    assert sorted(runs) == [f"{job}_amp={a},channels_last={c}/tb" for job, (a, c) in enumerate(swept)]
+    # HParams: the swept keys first (TensorBoard ticks the first five), integers as integers
+    infos = experiment["hparamInfos"]
+    assert {info["name"] for info in infos[:2]} == {"amp", "channels_last"}
+    assert [info["name"] for info in infos if info.get("differs")] == [info["name"] for info in infos[:2]]
+    by_run = {group["name"]: group["hparams"] for group in groups["sessionGroups"]}
+    assert {by_run[f"{job.name}/tb"]["batch_size"] for job in jobs} == {"32"}
+    # every curve is a metric, the same list whichever run is read first; no one-point charts
+    metrics = {info["name"]["tag"] for info in experiment["metricInfos"]}
+    assert {"test/acc", "test/best_acc", "perf/img_per_s", "perf/train_time_s", "train/loss"} <= metrics
+    assert not [tag for run_tags in tags.values() for tag in run_tags if tag.startswith("hparam")]
+    # the x axis: images trained on (4 optimizer steps of 32 images), the last point metrics.json's
+    last = read_metrics(jobs[-1])
+    assert accuracy[-1][1] == last["steps"] * 32
+    assert accuracy[-1][2] == pytest.approx(last["test_acc"], rel=1e-6)  # TensorBoard holds float32
 
 
 def test_cli_writes_the_report_into_the_sweep_folder(toggle_sweep):
@@ -123,23 +195,6 @@ def test_factorial_summary_gives_each_toggles_mean_effect(toggle_sweep, tmp_path
     assert channels_last[1] == f"{layout_on:.2f}×" and channels_last[3] == "2"
 
 
-def test_every_job_of_the_sweep_shows_in_tensorboard_hparams(toggle_sweep):
-    multiplexer = EventMultiplexer().AddRunsFromDirectory(str(toggle_sweep))
-    multiplexer.Reload()
-    hparams_runs = multiplexer.PluginRunToTagToContent("hparams")
-    assert sorted(hparams_runs) == [f"{job}/tb" for job in range(4)]
-    for job in run_folders(toggle_sweep):
-        accumulator = EventAccumulator(str(job / "tb"), size_guidance={"scalars": 0})
-        accumulator.Reload()
-        content = accumulator.PluginTagToContent("hparams")
-        assert content
-        start = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/session_start_info"])
-        hparams = start.session_start_info.hparams
-        overrides = [override.lower() for override in read_metrics(job)["overrides"]]
-        for key in ("amp", "channels_last"):
-            assert f"{key}={hparam_text(hparams[key])}" in overrides
-
-
 def test_a_failing_job_is_reported_as_failed(seed_sweep, tmp_path, capsys):
     code, out, _ = run_report(seed_sweep, "--out", tmp_path, capsys=capsys)
     assert code == 0
@@ -172,12 +227,12 @@ def test_jobs_differing_only_in_seed_share_a_row_with_mean_and_std(seed_sweep, t
 def test_unfinished_jobs_and_missing_metrics_never_break_the_report(toggle_sweep, tmp_path, capsys):
     sweep_copy = tmp_path / "sweep"
     shutil.copytree(toggle_sweep, sweep_copy, ignore=shutil.ignore_patterns("checkpoints", "report.*"))
-    (sweep_copy / "3" / "metrics.json").unlink()  # a job killed before it wrote anything
-    interrupted = read_metrics(sweep_copy / "1") | {"status": "interrupted"}
-    (sweep_copy / "1" / "metrics.json").write_text(json.dumps(interrupted))
+    (sweep_job(sweep_copy, 3) / "metrics.json").unlink()  # a job killed before it wrote anything
+    interrupted = read_metrics(sweep_job(sweep_copy, 1)) | {"status": "interrupted"}
+    (sweep_job(sweep_copy, 1) / "metrics.json").write_text(json.dumps(interrupted))
     code, out, _ = run_report(sweep_copy, capsys=capsys)
     assert code == 0
-    rows = {row["job"]: row for row in read_csv(sweep_copy)}
+    rows = {job_number(row["job"]): row for row in read_csv(sweep_copy)}
     assert rows["3"]["status"] == "no metrics.json" and rows["1"]["status"] == "interrupted"
     assert rows["3"]["img_per_s"] == rows["1"]["img_per_s"] == rows["1"]["test_acc"] == ""
     assert rows["0"]["baseline"] == "yes" and rows["2"]["speedup"] != ""
@@ -196,7 +251,7 @@ def test_baseline_can_be_chosen_by_overrides_or_folder(toggle_sweep, tmp_path, c
     assert (baseline["amp"], baseline["channels_last"]) == ("true", "false")
     assert float(baseline["speedup"]) == pytest.approx(1.0)
     assert run_report(toggle_sweep, "--out", tmp_path, "--baseline", "3", capsys=capsys)[0] == 0
-    assert [row["job"] for row in read_csv(tmp_path) if row["baseline"] == "yes"] == ["3"]
+    assert [job_number(row["job"]) for row in read_csv(tmp_path) if row["baseline"] == "yes"] == ["3"]
 
 
 def test_a_baseline_that_matches_nothing_is_a_one_line_error(toggle_sweep, tmp_path, capsys):
@@ -290,12 +345,12 @@ def test_a_job_timed_with_its_warm_up_is_neither_baseline_nor_half_of_a_toggle_p
     """Job 0 (every toggle off) cut back to its first epoch, as a one-epoch run records it."""
     sweep_copy = tmp_path / "sweep"
     shutil.copytree(toggle_sweep, sweep_copy, ignore=shutil.ignore_patterns("checkpoints", "report.*"))
-    first_epoch = read_metrics(sweep_copy / "0")
+    first_epoch = read_metrics(sweep_job(sweep_copy, 0))
     first_epoch.update(history=first_epoch["history"][:1], img_per_s=first_epoch["history"][0]["img_per_s"])
-    (sweep_copy / "0" / "metrics.json").write_text(json.dumps(first_epoch))
+    (sweep_job(sweep_copy, 0) / "metrics.json").write_text(json.dumps(first_epoch))
     code, out, _ = run_report(sweep_copy, capsys=capsys)
     assert code == 0
-    rows = {row["job"]: row for row in read_csv(sweep_copy)}
+    rows = {job_number(row["job"]): row for row in read_csv(sweep_copy)}
     assert rows["0"]["img_per_s_includes_warm_up"] == "yes" and rows["0"]["speedup"] == ""
     assert rows["0"]["baseline"] == "" and rows["0"]["test_acc_change"] != ""
     others = {name: float(rows[name]["img_per_s"]) for name in ("1", "2", "3")}

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from trainer import evaluation, mfu, perf
-from trainer.config import ConfigError, FlipMode, LoaderKind, TrainConfig
+from trainer.config import ConfigError, FlipMode, LoaderKind, TbStep, TrainConfig
 from trainer.data import IMAGE_SIZE, Splits, gpu_loaders, load_source, torch_loaders
 from trainer.data.augment import CropFlip
 from trainer.distributed import Ranks
@@ -87,6 +87,7 @@ class Parts:
     synchronize: Callable[[], None]  # waits for the device (nothing on a CPU)
     non_finite_advice: str  # what to change when the loss stops being finite
     profile: bool  # trace a few steps with torch.profiler (the run writes the trace)
+    tb_x_per_step: int  # TensorBoard's x advances this much per optimizer step (tb_step)
     description: str  # device, model and data in one line, for the run's log
 
 
@@ -164,6 +165,7 @@ def assemble(cfg: TrainConfig, ranks: Ranks, device: torch.device) -> Parts:
         synchronize=torch.cuda.synchronize if device.type == "cuda" else (lambda: None),
         non_finite_advice=non_finite_advice,
         profile=cfg.profile and ranks.is_main,
+        tb_x_per_step=global_batch if cfg.tb_step is TbStep.images else 1,
         description=(
             f"device: {device} x{ranks.world_size} | model: {cfg.model.target or cfg.model.name.value} | "
             f"data: {cfg.data.source.value} ({len(splits.train)} train, {len(splits.test)} test)"

@@ -36,9 +36,11 @@ from trainer.config_choices import (
     ModelName,
     OptimizerName,
     Schedule,
+    TbStep,
     TtaMode,
 )
 from trainer.errors import ConfigError, TrainerError  # noqa: F401 - imported from here across the package
+from trainer.job_names import job_dir_name
 
 
 @dataclass
@@ -135,6 +137,7 @@ class TrainConfig:
     resume: str | None = None  # a checkpoint file or a run folder to continue from
     deterministic: bool = False  # deterministic algorithms, no cudnn autotuning
     log_every: int = 50  # optimizer steps between loss logs, progress updates and NaN checks
+    tb_step: TbStep = TbStep.images  # TensorBoard's x axis
     target_acc: float | None = None  # test accuracy (with TTA when on) whose first time is in metrics.json
     export: ExportFormat = ExportFormat.none  # the evaluated model, for inference, when the run completes
 
@@ -179,7 +182,9 @@ class TrainConfig:
 
 
 def register_schema() -> None:
-    """Register the schema with Hydra so that conf/ files are type-checked against it."""
+    """Register the schema with Hydra so that conf/ files are type-checked against it, and the
+    resolver that names sweep job folders (conf/config.yaml)."""
+    OmegaConf.register_new_resolver("trainer_job_dir", job_dir_name, replace=True)
     store = ConfigStore.instance()
     store.store(name="train_schema", node=TrainConfig)
     store.store(group="model", name="model_schema", node=ModelConfig)

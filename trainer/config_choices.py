@@ -83,6 +83,13 @@ class ExportFormat(Enum):
     export = "export"  # model.pt2, a torch.export program: torch.export.load(...).module()
 
 
+class TbStep(Enum):
+    images = (
+        "images"  # images trained on (optimizer steps x global batch): any batch size or GPU count lines up
+    )
+    step = "step"  # optimizer steps
+
+
 class DdpBackend(Enum):
     auto = "auto"  # nccl on CUDA, gloo on CPU
     nccl = "nccl"

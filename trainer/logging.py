@@ -23,16 +23,6 @@ from trainer.progress_bar import NoProgress, StepProgress
 
 METRICS = "metrics.json"
 LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"  # as Hydra's job log
-FINAL_METRICS = (
-    "test_acc",
-    "test_acc_tta",
-    "best_test_acc",
-    "time_to_target_s",
-    "img_per_s",
-    "mfu",
-    "train_time_s",
-    "peak_mem_mb",
-)
 
 
 class BelowLevel(logging.Filter):
@@ -88,16 +78,17 @@ def percent(value: float | None) -> str:
 class RunLog:
     """Everything the main process writes into the run folder."""
 
-    def __init__(self, run_dir: Path):
+    def __init__(self, run_dir: Path, x_per_step: int = 1):
         from torch.utils.tensorboard import SummaryWriter
 
-        self.run_dir = run_dir
+        self.run_dir, self.x_per_step = run_dir, x_per_step
         self.writer = SummaryWriter(str(run_dir / "tb"))
 
     def scalars(self, step: int, values: dict) -> None:
+        """At x = step x x_per_step (tb_step: images trained on, or optimizer steps)."""
         for tag, value in values.items():
             if value is not None:
-                self.writer.add_scalar(tag, value, step)
+                self.writer.add_scalar(tag, value, step * self.x_per_step)
 
     def metrics(self, data: dict) -> None:
         write_json_atomic(self.run_dir / METRICS, data)
@@ -105,12 +96,22 @@ class RunLog:
     def progress(self, total: int, description: str) -> StepProgress:
         return StepProgress(total, description)
 
-    def hparams(self, config: dict, final: dict) -> None:
-        """Into this run's own event file, so that a sweep folder shows every job in HParams."""
-        metrics = {f"hparam/{key}": float(final[key]) for key in FINAL_METRICS if final.get(key) is not None}
-        # add_hparams would store booleans as 0/1 numbers; as "true"/"false" they read as choices.
-        hparams = {k: str(v).lower() if isinstance(v, bool) else v for k, v in flatten(config).items()}
-        self.writer.add_hparams(hparams, metrics, run_name=".")
+    def hparams(self, config: dict) -> None:
+        """The run's config as an HParams session, into this run's own event file.
+
+        Only the session is written, no experiment summary and no scalars: TensorBoard then
+        builds one experiment from every session it finds, so each start shows the same
+        columns, the keys whose values differ between runs first (and ticked), and every scalar
+        curve as a metric, valued at its last point. (torch's add_hparams declares an experiment
+        per run, whose metric list TensorBoard takes from whichever run it reads first, and
+        writes each metric again as a one-point chart at step 0.)"""
+        from torch.utils.tensorboard.summary import hparams
+
+        # Booleans and integers as text: TensorBoard would show them as 0/1 and 128.00.
+        shown = {k: str(v).lower() if isinstance(v, (bool, int)) else v for k, v in flatten(config).items()}
+        _, session_start, session_end = hparams(shown, {})
+        self.writer.file_writer.add_summary(session_start)
+        self.writer.file_writer.add_summary(session_end)
 
     def close(self) -> None:
         self.writer.close()
@@ -131,7 +132,7 @@ class SilentRunLog(RunLog):
     def progress(self, total: int, description: str) -> NoProgress:
         return NoProgress()
 
-    def hparams(self, config: dict, final: dict) -> None:
+    def hparams(self, config: dict) -> None:
         pass
 
     def close(self) -> None:

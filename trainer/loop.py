@@ -213,7 +213,14 @@ def warm_up(parts: Parts, epoch: int, evaluate: Callable[[], dict]) -> float:
 
 def evaluate(parts: Parts) -> dict:
     """Test loss and accuracy over every test image exactly once (summed across ranks), of the
-    weight average when ema is on; with eval.tta also test_acc_tta."""
-    return evaluation.evaluate(
+    weight average when ema is on; with eval.tta also test_acc_tta. With ema on, the trained
+    weights are evaluated too, beside it: test_acc_trained (and the other keys, so suffixed)."""
+    results = evaluation.evaluate(
         parts.average.module, parts.test_batches, parts.tta_views, parts.device, parts.autocast, parts.ranks
     )
+    if parts.average.module is not parts.raw_model:
+        trained = evaluation.evaluate(
+            parts.raw_model, parts.test_batches, parts.tta_views, parts.device, parts.autocast, parts.ranks
+        )
+        results |= {f"{key}_trained": value for key, value in trained.items()}
+    return results

@@ -56,6 +56,8 @@ class Progress:
         return {
             "test_acc": tested[-1]["test_acc"] if tested else None,
             "test_acc_tta": tested[-1].get("test_acc_tta") if tested else None,
+            # ema: test_acc is the average's; these weights were what the optimizer trained
+            "test_acc_trained": tested[-1].get("test_acc_trained") if tested else None,
             "best_test_acc": self.best_test_acc,
             "test_loss": tested[-1]["test_loss"] if tested else None,
             "train_loss": self.history[-1]["train_loss"] if self.history else None,

@@ -68,7 +68,10 @@ def accuracy_cell(record: dict) -> str:
     """The epoch line's test accuracy: the single view, and the TTA one beside it when on."""
     plain = decimal(record.get("test_acc"))
     tta = record.get("test_acc_tta")
-    return plain if tta is None else f"{plain} (tta {decimal(tta)})"
+    cell = plain if tta is None else f"{plain} (tta {decimal(tta)})"
+    if "test_acc_trained" in record:  # ema: the cell above is the average's
+        cell = f"{cell} (trained weights {decimal(record['test_acc_trained'])})"
+    return cell
 
 
 class Run:
@@ -102,7 +105,9 @@ class Run:
         # Files appear only once everything above has worked.
         if parts.ranks.is_main:
             checkpoint.remove_partial_writes(self.run_dir / checkpoint.CHECKPOINT)
-        self.log = RunLog(self.run_dir) if parts.ranks.is_main else SilentRunLog(self.run_dir)
+        self.log = (
+            RunLog(self.run_dir, parts.tb_x_per_step) if parts.ranks.is_main else SilentRunLog(self.run_dir)
+        )
         self.profiler = perf.Profiler(parts.profile, str(self.run_dir / "profile"))
         log.info("run folder: %s | %s", self.run_dir, parts.description)
 
@@ -183,7 +188,7 @@ class Run:
     def close(self) -> dict:
         summary = self.summary(self.parts.ranks)
         self.log.metrics(summary)
-        self.log.hparams(self.config, summary)
+        self.log.hparams(self.config)
         self.log.close()
         return summary
 
@@ -196,9 +201,14 @@ class Run:
                 "test/loss": record.get("test_loss"),
                 "test/acc": record.get("test_acc"),
                 "test/acc_tta": record.get("test_acc_tta"),
+                "test/acc_trained": record.get("test_acc_trained"),
+                "test/acc_tta_trained": record.get("test_acc_tta_trained"),
+                "test/best_acc": self.progress.best_test_acc,
+                "test/time_to_target_s": self.progress.time_to_target_s,
                 "perf/img_per_s": record["img_per_s"],
                 "perf/mfu": record["mfu"],
                 "perf/epoch_s": record["epoch_s"],
+                "perf/train_time_s": self.progress.train_time_s,
                 "perf/data_wait_frac": record["data_wait_frac"],
                 "perf/peak_mem_mb": record["peak_mem_mb"],
             },

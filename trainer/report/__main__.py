@@ -43,7 +43,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--baseline",
         metavar="JOB",
-        help="the job to compare against: its folder name (e.g. 3) or overrides (e.g. "
+        help="the job to compare against: its number (e.g. 3), its folder name or overrides (e.g. "
         "amp=false,compile=false); default: the one with every toggle off, else the slowest",
     )
     parser.add_argument(

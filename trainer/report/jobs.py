@@ -40,6 +40,9 @@ class Job:
     includes_warm_up: bool = False  # its img_per_s times its first epoch (trainer.trials has the rule)
 
 
+SWEEP_JOB = re.compile(r"^(\d+)_.*")  # <number>_<swept overrides> (trainer/job_names.py)
+
+
 def natural_key(path: Path) -> list:
     """'…/10' after '…/9'."""
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", str(path))]
@@ -108,11 +111,15 @@ def recorded_target(jobs: list[Job]) -> float | None:
 
 
 def job_names(folders: list[Path]) -> list[str]:
-    """Each job folder relative to the folder all of them share: '3', or 'sweep-b/3'."""
+    """Each job folder relative to the folder all of them share, a sweep job by its number
+    (its folder '3_amp=true,channels_last=true' holds the overrides, which have columns of
+    their own): '3', or 'sweep-b/3'."""
     if len(folders) == 1:
-        return [folders[0].name]
-    shared = Path(os.path.commonpath([folder.resolve() for folder in folders]))
-    return [str(folder.resolve().relative_to(shared)) for folder in folders]
+        names = [Path(folders[0].name)]
+    else:
+        shared = Path(os.path.commonpath([folder.resolve() for folder in folders]))
+        names = [folder.resolve().relative_to(shared) for folder in folders]
+    return [str(name.with_name(SWEEP_JOB.sub(r"\1", name.name))) for name in names]
 
 
 def load_jobs(folders: list[Path], target_acc: float | None) -> list[Job]:

@@ -76,9 +76,11 @@ def group_rows(jobs: list[Job], keys: list[str]) -> list[Row]:
 
 
 def matches(row: Row, spec: str) -> bool:
-    """spec: a job folder name ('0'), or overrides such as 'amp=false,channels_last=false'."""
-    if "=" not in spec:
-        return any(spec in (job.name, job.folder.name, str(job.folder)) for job in row.jobs)
+    """spec: a job's number ('3'), its folder name ('3_amp=true,channels_last=false'), or
+    overrides such as 'amp=false,channels_last=false'."""
+    names = {name for job in row.jobs for name in (job.name, job.folder.name, str(job.folder))}
+    if spec in names or "=" not in spec:
+        return spec in names or any(spec == job.folder.name.split("_")[0] for job in row.jobs)
     wanted = dict(parse_override(pair) for pair in spec.split(","))
     return any(all(job.overrides.get(key) == value for key, value in wanted.items()) for job in row.jobs)
 
