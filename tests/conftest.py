@@ -255,6 +255,7 @@ def real_image_run(tmp_path_factory) -> dict:
         "ema.enabled=true",
         "ema.decay=0.98",
         "ema.update_every=5",
+        "eval.tta=none",  # each evaluation is of two models (average and trained weights): one view
         small=False,
     )
     data_log, logged = logging.getLogger("trainer.data.sources"), LoggedLines()

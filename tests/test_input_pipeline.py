@@ -17,7 +17,8 @@ from PIL import Image
 
 from trainer import Trainer
 from trainer.config import to_train_config
-from trainer.data import CorruptImageError, load_source, torch_loaders
+from trainer.data import CorruptImageError, Splits, load_source, torch_loaders
+from trainer.data.sources.synthetic import synthetic_split
 from trainer.perf import dataloader_kwargs, worker_count
 
 CLASSES = ("cat", "dog", "ship")
@@ -118,9 +119,9 @@ def test_a_corrupt_image_stops_the_command_before_training(image_folder, tmp_pat
     assert "epoch 1/1" not in result.stdout  # found while loading, not after an epoch
 
 
-def test_a_dataset_sent_to_a_spawned_worker_is_its_images_not_every_crop_of_them(image_folder):
-    splits = load_source(data_config(image_folder, "data.decode=once"), seed=0)
-    train, _ = torch_loaders(splits, True, 8, 0, 0, 1, {})
+def test_a_dataset_sent_to_a_spawned_worker_is_its_images_not_every_crop_of_them():
+    images = synthetic_split(64, train=True, seed=0)
+    train, _ = torch_loaders(Splits(images, images, []), True, 8, 0, 0, 1, {})
     train.set_epoch(1)
     key = next(iter(train.sampler))
     dataset = train.dataset
