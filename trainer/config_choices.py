@@ -84,9 +84,7 @@ class ExportFormat(Enum):
 
 
 class TbStep(Enum):
-    images = (
-        "images"  # images trained on (optimizer steps x global batch): any batch size or GPU count lines up
-    )
+    images = "images"  # images trained on (steps x global batch): any batch or GPU count lines up
     step = "step"  # optimizer steps
 
 

@@ -11,6 +11,7 @@ import logging
 import torch
 
 from trainer.config import TrainConfig
+from trainer.perf.model import splits_over_gpus
 from trainer.perf.notes import cannot_act, forget_said
 
 log = logging.getLogger(__name__)
@@ -38,13 +39,6 @@ def apply_backend_flags(cfg: TrainConfig, device: torch.device) -> None:
     torch.backends.cudnn.allow_tf32 = cfg.tf32
     if cfg.tf32 and device.type != "cuda":
         cannot_act("tf32=true", f"TensorFloat-32 is a CUDA matmul mode, device is {device}")
-
-
-def splits_over_gpus(cfg: TrainConfig, device: torch.device) -> bool:
-    """Whether data_parallel=true splits batches over two or more GPUs of this process."""
-    if not cfg.data_parallel or device.type != "cuda":
-        return False
-    return (cfg.devices or torch.cuda.device_count() - (device.index or 0)) > 1
 
 
 # Steps run before the clock starts when there is compiling or autotuning to do: CUDA graphs

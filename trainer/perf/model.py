@@ -20,6 +20,17 @@ def memory_format(cfg: TrainConfig) -> torch.memory_format:
     return torch.channels_last if cfg.channels_last else torch.contiguous_format
 
 
+def data_parallel_count(cfg: TrainConfig, device: torch.device) -> tuple[int, int]:
+    """(GPUs data_parallel=true splits over, GPUs there are from `device` on)."""
+    available = torch.cuda.device_count() - (device.index or 0)
+    return cfg.devices or available, available
+
+
+def splits_over_gpus(cfg: TrainConfig, device: torch.device) -> bool:
+    """Whether data_parallel=true splits batches over two or more GPUs of this process."""
+    return cfg.data_parallel and device.type == "cuda" and data_parallel_count(cfg, device)[0] > 1
+
+
 def data_parallel(cfg: TrainConfig, model: nn.Module, device: torch.device) -> nn.Module:
     """nn.DataParallel over `devices` GPUs from this one process (the comparison DDP is made against)."""
     if not cfg.data_parallel:
@@ -27,8 +38,7 @@ def data_parallel(cfg: TrainConfig, model: nn.Module, device: torch.device) -> n
     if device.type != "cuda":
         cannot_act("data_parallel=true", f"it splits each batch over CUDA devices, device is {device}")
         return model
-    available = torch.cuda.device_count() - (device.index or 0)
-    count = cfg.devices or available
+    count, available = data_parallel_count(cfg, device)
     if count > available:
         raise ConfigError(
             f"devices={count} for data_parallel=true but {available} GPU(s) from {device} on: "

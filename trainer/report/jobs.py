@@ -43,6 +43,11 @@ class Job:
 SWEEP_JOB = re.compile(r"^(\d+)_.*")  # <number>_<swept overrides> (trainer/job_names.py)
 
 
+def short_name(folder_name: str) -> str:
+    """A sweep job's number ('3' of '3_amp=true,channels_last=true'); other names as they are."""
+    return SWEEP_JOB.sub(r"\1", folder_name)
+
+
 def natural_key(path: Path) -> list:
     """'…/10' after '…/9'."""
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", str(path))]
@@ -119,7 +124,7 @@ def job_names(folders: list[Path]) -> list[str]:
     else:
         shared = Path(os.path.commonpath([folder.resolve() for folder in folders]))
         names = [folder.resolve().relative_to(shared) for folder in folders]
-    return [str(name.with_name(SWEEP_JOB.sub(r"\1", name.name))) for name in names]
+    return [str(name.with_name(short_name(name.name))) for name in names]
 
 
 def load_jobs(folders: list[Path], target_acc: float | None) -> list[Job]:

@@ -14,7 +14,7 @@ import statistics
 from collections import Counter
 from dataclasses import dataclass
 
-from trainer.report.jobs import BOOLEANS, Job, ReportError, parse_override
+from trainer.report.jobs import BOOLEANS, Job, ReportError, parse_override, short_name
 
 GROUPED_KEY = "seed"  # jobs differing only in this key are repeats of one setting
 
@@ -78,9 +78,13 @@ def group_rows(jobs: list[Job], keys: list[str]) -> list[Row]:
 def matches(row: Row, spec: str) -> bool:
     """spec: a job's number ('3'), its folder name ('3_amp=true,channels_last=false'), or
     overrides such as 'amp=false,channels_last=false'."""
-    names = {name for job in row.jobs for name in (job.name, job.folder.name, str(job.folder))}
+    names = {
+        name
+        for job in row.jobs
+        for name in (job.name, job.folder.name, str(job.folder), short_name(job.folder.name))
+    }
     if spec in names or "=" not in spec:
-        return spec in names or any(spec == job.folder.name.split("_")[0] for job in row.jobs)
+        return spec in names
     wanted = dict(parse_override(pair) for pair in spec.split(","))
     return any(all(job.overrides.get(key) == value for key, value in wanted.items()) for job in row.jobs)
 
