@@ -16,6 +16,8 @@ no row inherits another's compiled graphs, cuDNN plans or allocator state):
   removed  each toggle taken out of perf=fast (leave-one-out)
   files    images decoded from their files every epoch (data.decode=every_epoch): where
            DataLoader workers matter
+  tuned    perf=fast beside the preset `python -m trainer.tune` wrote (--tuned DIR: its --out),
+           both at batch 512: python scripts/bench.py --sections tuned --tuned DIR
 
 Images/s of a run is the median over its epochs after the first (warm-up: worker start,
 cuDNN autotuning, compilation); with --repeats N the row shows the median of the N runs and
@@ -143,11 +145,24 @@ SYNTHETIC = ["data=synthetic", "data.train_size=50000", "data.test_size=10000"]
 PEER_RECIPE = ["optim.lr=0.05", "optim.label_smoothing=0", "data.flip=random", "eval.tta=none"]
 
 
+def tuned_section(tuned: Path) -> list[Row]:
+    """perf=fast, the reference, and the tuner's preset at perf=fast's batch (the tuner reports a
+    batch size but does not set it)."""
+    if not (tuned / "perf" / "tuned.yaml").is_file():
+        raise SystemExit(f"bench: no perf/tuned.yaml in {tuned}: pass the folder trainer.tune --out wrote")
+    return [
+        Row("perf=fast", ["perf=fast"]),
+        Row("perf=tuned", [f"--config-dir={tuned.resolve()}", "perf=tuned", "batch_size=512"]),
+    ]
+
+
 def command(row: Row, data: list[str], model: str, epochs: int, run_dir: Path) -> list[str]:
     """The row's process: the trainer, or its hand-written peer, at the same settings."""
     if row.handwritten is None:
+        flags = [item for item in row.trainer if item.startswith("--")]  # before the overrides
         overrides = [f"model={model}", *data, "log_every=100", f"epochs={epochs}", f"eval_every={epochs}"]
-        return trainer_command([*overrides, *PEER_RECIPE, *row.trainer], run_dir)
+        settings = [item for item in row.trainer if item not in flags]
+        return trainer_command([*flags, *overrides, *PEER_RECIPE, *settings], run_dir)
     peer = [sys.executable, str(REPO / "scripts" / "handwritten_loop.py"), *row.handwritten]
     peer += ["--model", model, "--epochs", str(epochs), "--out", str(run_dir)]
     root = next((item.split("=", 1)[1] for item in data if item.startswith("data.root=")), None)
@@ -230,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", default="resnet18", choices=["resnet18", "cnn"])
+    parser.add_argument("--model", default="resnet18", choices=["resnet18", "cnn", "fastcnn"])
     parser.add_argument("--data-root", default=None, help="class folders (train/, test/); default synthetic")
     parser.add_argument("--sections", default="peers,default", help=f"comma-separated: {', '.join(SECTIONS)}")
     parser.add_argument("--rows", default=None, help="only rows whose name contains one of these (a,b,...)")
@@ -238,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="runs per row")
     parser.add_argument("--out", type=Path, default=None, help="folder for runs, logs and tables")
     parser.add_argument("--row-timeout", type=float, default=300, help="seconds before a run is stopped")
+    parser.add_argument("--tuned", type=Path, default=None, help="tuned section: the tuner's --out folder")
     parser.add_argument("--list", action="store_true", help="print the sections and rows, then exit")
     parser.add_argument("--merge", nargs="+", type=Path, metavar="BENCH_CSV", help="re-render earlier tables")
     args = parser.parse_args(argv)
@@ -250,7 +266,12 @@ def main(argv: list[str] | None = None) -> int:
             print(section)
             print("\n".join(f"  {row.name}: {row.describe()}" for row in rows))
         return 0
+    if args.tuned:
+        SECTIONS["tuned"] = tuned_section(args.tuned)
     sections = [name for name in args.sections.split(",") if name]
+    if "tuned" in sections and "tuned" not in SECTIONS:
+        print("bench: the tuned section needs --tuned DIR (the tuner's --out folder)", file=sys.stderr)
+        return 2
     unknown = [name for name in sections if name not in SECTIONS]
     if unknown:
         print(f"bench: unknown sections {unknown}; choose from {', '.join(SECTIONS)}", file=sys.stderr)
