@@ -30,9 +30,10 @@ from trainer import evaluation, mfu, perf
 from trainer.config import ConfigError, FlipMode, LoaderKind, TbStep, TrainConfig
 from trainer.data import IMAGE_SIZE, Splits, gpu_loaders, load_source, torch_loaders
 from trainer.data.augment import CropFlip
+from trainer.data.resolution import LowResEpochs
 from trainer.distributed import Ranks
 from trainer.ema import NoAverage, WeightAverage, weight_average
-from trainer.models import build_model, initialize_from_data
+from trainer.models import build_model, check_low_res, initialize_from_data
 from trainer.optim import build_optimizer, build_scheduler, peak_lr, scaling_rule
 from trainer.timing import data_wait_timer
 
@@ -50,7 +51,7 @@ class Parts:
     device: torch.device
     ranks: Ranks
     # data: the loaders yield uint8 batches; the *_batches are them on the device, normalized
-    train_loader: object  # EpochLoader or GpuLoader: set_epoch(epoch, skip_batches) before each epoch
+    train_loader: object  # EpochLoader, GpuLoader or LowResEpochs: set_epoch(epoch, skip_batches) first
     train_batches: Iterable[Batch]
     test_batches: Iterable[Batch]
     classes: list[str]
@@ -82,6 +83,7 @@ class Parts:
     target_acc: float | None
     # measuring and diagnosing
     warm_up_steps: int  # trained and undone before the clock starts (compile, cuDNN autotuning)
+    low_res_epochs: int  # the first epochs train on smaller images: a second shape to warm up
     mfu: mfu.Meter
     timer: object  # trainer.timing's data-wait timer: wrap(batches), step_done(), wait_seconds()
     synchronize: Callable[[], None]  # waits for the device (nothing on a CPU)
@@ -160,6 +162,7 @@ def assemble(cfg: TrainConfig, ranks: Ranks, device: torch.device) -> Parts:
         tta_views=evaluation.tta_views(cfg.eval.tta),
         target_acc=cfg.target_acc,
         warm_up_steps=warm_up_steps,
+        low_res_epochs=cfg.data.low_res_epochs,
         mfu=meter,
         timer=data_wait_timer(cfg.measure_data_wait, device.type),
         synchronize=torch.cuda.synchronize if device.type == "cuda" else (lambda: None),
@@ -200,11 +203,16 @@ def build_data(cfg: TrainConfig, ranks: Ranks, device: torch.device) -> tuple:
             f"batch_size={cfg.batch_size} x {ranks.world_size} process(es) is larger than the "
             f"{len(splits.train)} training images: lower batch_size"
         )
-    return splits, train, perf.device_batches(cfg, train, device), perf.device_batches(cfg, test, device)
+    train_batches = perf.device_batches(cfg, train, device)
+    if cfg.data.low_res:
+        train = train_batches = LowResEpochs(train, train_batches, cfg.data.low_res, cfg.data.low_res_epochs)
+    return splits, train, train_batches, perf.device_batches(cfg, test, device)
 
 
 def build_network(cfg: TrainConfig, ranks: Ranks, device: torch.device, splits: Splits) -> tuple:
     """(raw model, the model the step calls, the DDP wrapper or None, the MFU meter)."""
+    if cfg.data.low_res:
+        check_low_res(cfg.model, len(splits.classes), cfg.data.low_res)
     raw_model = build_model(cfg.model, num_classes=len(splits.classes))
     initialize_from_data(raw_model, splits.train)
     wrapped = []

@@ -49,6 +49,7 @@ class ModelConfig:
     target: str | None = None  # your own model instead: 'module:callable', callable(num_classes) -> nn.Module
     conv_bias: bool = True  # false: no bias on convs followed by BatchNorm (it is redundant)
     grad_checkpointing: bool = False  # recompute residual stages in backward: memory for compute
+    zero_init_residual: bool = False  # resnet18: each block's last BatchNorm scale starts at 0 (an identity)
 
 
 @dataclass
@@ -68,6 +69,10 @@ class DataConfig:
     decode_cache: bool = False  # imagefolder: keep decoded images in <root>/.trainer-cache for the next run
     prefetch: bool = False  # CUDA: copy the next batch on a side stream while this one computes
     cutout: int = 0  # training: blank a square this many pixels wide (mean colour) at a random place
+    # progressive resizing: the first low_res_epochs epochs train on images downscaled (on the
+    # device, after augmentation) to low_res x low_res pixels; evaluation stays at full size
+    low_res: int = 0  # 0: off; 8 to 31 pixels
+    low_res_epochs: int = 0
 
     def __post_init__(self) -> None:
         config_checks.check_data(self)

@@ -32,6 +32,15 @@ def check_data(cfg: DataConfig) -> None:
         raise ConfigError(
             f"data.cutout must be 0 (off) to 32 pixels, got {cfg.cutout}: set e.g. data.cutout=12"
         )
+    if cfg.low_res and not 8 <= cfg.low_res < 32:
+        raise ConfigError(
+            f"data.low_res must be 0 (off) or 8 to 31 pixels, got {cfg.low_res}: set e.g. data.low_res=24"
+        )
+    if cfg.low_res_epochs < 0 or bool(cfg.low_res) != bool(cfg.low_res_epochs):
+        raise ConfigError(
+            f"data.low_res={cfg.low_res} with data.low_res_epochs={cfg.low_res_epochs}: set both "
+            "(e.g. data.low_res=24 data.low_res_epochs=10) or both to 0"
+        )
 
 
 def check_optim(cfg: OptimConfig) -> None:

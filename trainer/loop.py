@@ -196,12 +196,15 @@ def warm_up(parts: Parts, epoch: int, evaluate: Callable[[], dict]) -> float:
         changed["scaler"] = parts.scaler
     saved = {name: copy.deepcopy(part.state_dict()) for name, part in changed.items()}
     parts.model.train()
-    parts.train_loader.set_epoch(epoch)
-    for images, labels in itertools.islice(parts.train_batches, parts.warm_up_steps):
-        forward_backward(parts, images, labels, 1)
-        parts.scaler.step(parts.optimizer)
-        parts.scaler.update()
-        parts.zero_grad()
+    # each image size the run will train at: the low-res epochs' and the full size after them
+    shapes = [epoch] + ([parts.low_res_epochs] if epoch < parts.low_res_epochs < parts.epochs else [])
+    for first_epoch in shapes:
+        parts.train_loader.set_epoch(first_epoch)
+        for images, labels in itertools.islice(parts.train_batches, parts.warm_up_steps):
+            forward_backward(parts, images, labels, 1)
+            parts.scaler.step(parts.optimizer)
+            parts.scaler.update()
+            parts.zero_grad()
     for name, part in changed.items():
         part.load_state_dict(saved[name])
     evaluate()  # cuDNN's autotuning of the evaluation's shapes, outside time to target

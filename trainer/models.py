@@ -53,16 +53,17 @@ def cnn(num_classes: int, conv_bias: bool = True) -> nn.Module:
     )
 
 
-def resnet18(num_classes: int, conv_bias: bool = True) -> nn.Module:
+def resnet18(num_classes: int, conv_bias: bool = True, zero_init_residual: bool = False) -> nn.Module:
     """torchvision's ResNet-18 with the CIFAR stem: 3x3 stride-1 first conv, no max-pool.
 
     conv_bias=True gives every conv a bias, as a plain nn.Conv2d has; every conv here is
     followed by BatchNorm, which cancels it, so conv_bias=False (torchvision's own choice)
-    saves the work.
+    saves the work. zero_init_residual is torchvision's (Goyal et al. 2017): each residual
+    block starts as the identity.
     """
     import torchvision  # imported where used: see trainer/data/sources/cifar10.py
 
-    model = torchvision.models.resnet18(num_classes=num_classes)
+    model = torchvision.models.resnet18(num_classes=num_classes, zero_init_residual=zero_init_residual)
     model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
     model.maxpool = nn.Identity()
     if conv_bias:
@@ -209,6 +210,22 @@ def check_target(target: str, num_classes: int = 10) -> None:
         dry_run(target, builder, num_classes)
 
 
+def check_low_res(cfg: ModelConfig, num_classes: int, size: int) -> None:
+    """The model takes size x size images (data.low_res), checked on a meta-device copy before
+    anything is trained: a head sized for 32x32 (the tutorial cnn's) cannot."""
+    with torch.device("meta"), torch.no_grad(), torch.random.fork_rng(devices=[]):
+        model = build_model(cfg, num_classes)
+        try:
+            model(torch.zeros(DRY_RUN_IMAGES, 3, size, size))
+        except Exception as error:  # any failure of the forward pass is the answer
+            name = cfg.target or cfg.name.value
+            raise ConfigError(
+                f"data.low_res={size}: {name} cannot take {size}x{size} images ({type(error).__name__}: "
+                f"{str(error).splitlines()[0][:160]}): set data.low_res=0, or use a model that pools "
+                "to a fixed size before its classifier (resnet18, fastcnn)"
+            ) from None
+
+
 def initialize_from_data(model: nn.Module, split) -> None:
     """Hand a model with `initialize_from_data` its normalized training images (the first few
     thousand, on the CPU), once, before training."""
@@ -234,7 +251,12 @@ def build_model(cfg: ModelConfig, num_classes: int) -> nn.Module:
             )
         check_target(cfg.target, num_classes)
         return build_target(cfg.target, num_classes)
-    model = BUILDERS[cfg.name](num_classes, conv_bias=cfg.conv_bias)
+    if cfg.name is ModelName.resnet18:
+        model = resnet18(num_classes, conv_bias=cfg.conv_bias, zero_init_residual=cfg.zero_init_residual)
+    else:
+        model = BUILDERS[cfg.name](num_classes, conv_bias=cfg.conv_bias)
+        if cfg.zero_init_residual:
+            log.info("model.zero_init_residual acts on resnet18 only: %s is unchanged", cfg.name.value)
     if cfg.name is ModelName.cnn and (cfg.grad_checkpointing or not cfg.conv_bias):
         log.info(
             "cnn has no residual stages and no BatchNorm: model.grad_checkpointing and "

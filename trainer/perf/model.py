@@ -65,5 +65,7 @@ def prepare_model(
         unused_ddp_toggles(cfg)
     model = data_parallel(cfg, model, device)
     if cfg.compile:
-        model = torch.compile(model, mode=cfg.compile_mode.value)
+        # Static shapes: training batches all have one size (the last partial one is dropped), or
+        # two with data.low_res; a dynamic graph after the second size would slow both.
+        model = torch.compile(model, mode=cfg.compile_mode.value, dynamic=False)
     return model
