@@ -11,6 +11,7 @@ from conftest import compose_config, read_metrics
 
 from trainer import Trainer, mfu
 from trainer.config import to_train_config
+from trainer.progress import Progress
 
 # The cnn by hand, in multiply-adds per image (3x3 convs at 32, 16 and 8 pixels, then two fc):
 CNN_FORWARD_MACS = (
@@ -67,6 +68,24 @@ def test_utilization_is_the_share_of_the_peak():
 
     assert meter.utilization(989e3) == pytest.approx(0.5)
     assert mfu.Meter(flops_per_image=1e9).utilization(989e3) is None  # unknown peak
+
+
+def test_low_res_epochs_count_the_flops_of_their_own_image_size(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    cfg = to_train_config(compose_config("model=resnet18", "data.low_res=16", "data.low_res_epochs=2"))
+    meter = mfu.meter(cfg, torch.device("cuda"), 10, (8, 3, 32, 32), world_size=1)
+    assert meter.low_res_flops_per_image == pytest.approx(
+        meter.flops_per_image / 4, rel=0.02
+    )  # 1/4 the pixels
+    full, small = meter.utilization(1e4, epoch=2), meter.utilization(1e4, epoch=1)
+    assert small == pytest.approx(full * meter.low_res_flops_per_image / meter.flops_per_image)
+    assert meter.utilization(1e4) == full  # no epoch: full size
+    # the run's mfu weights each epoch by its seconds, over the epochs its img_per_s counts
+    progress = Progress()
+    for epoch_s, used in ((9.0, 0.9), (1.0, 0.2), (3.0, 0.4)):  # the first: warm-up, left out
+        progress.add_epoch({"epoch_s": epoch_s, "img_per_s": 1.0, "data_wait_frac": None, "mfu": used,
+                            "peak_mem_mb": None, "train_loss": 0.0})  # fmt: skip
+    assert progress.summary()["mfu"] == pytest.approx((0.2 * 1.0 + 0.4 * 3.0) / 4.0)
 
 
 def test_a_cpu_run_reports_flops_and_says_once_that_mfu_is_unknown(tmp_path, caplog):

@@ -223,8 +223,7 @@ def build_network(cfg: TrainConfig, ranks: Ranks, device: torch.device, splits: 
 
     model = perf.prepare_model(cfg, raw_model, device, wrap_ddp if ranks.world_size > 1 else None)
     batch_shape = (cfg.batch_size, 3, IMAGE_SIZE, IMAGE_SIZE)
-    flops = mfu.flops_per_image(cfg.model, len(splits.classes), batch_shape)
-    meter = mfu.meter(cfg, device, flops, ranks.world_size)
+    meter = mfu.meter(cfg, device, len(splits.classes), batch_shape, ranks.world_size)
     return raw_model, model, wrapped[0] if wrapped else None, meter
 
 

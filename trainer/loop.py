@@ -155,7 +155,7 @@ def log_window(parts: Parts, progress: Progress, run: Run, window: list, bar, se
     bar.set_postfix(
         loss=f"{mean:.3f}",
         img_s=f"{images_per_s:,.0f}",
-        mfu=percent(parts.mfu.utilization(images_per_s)),
+        mfu=percent(parts.mfu.utilization(images_per_s, progress.epoch)),
         refresh=False,
     )
     return sum(losses)
@@ -177,7 +177,7 @@ def epoch_record(
         "train_loss": totals[0] / max(totals[2], 1),
         "train_acc": totals[1] / max(totals[2] * parts.batch_size, 1),
         "img_per_s": images_per_s,
-        "mfu": parts.mfu.utilization(images_per_s),
+        "mfu": parts.mfu.utilization(images_per_s, progress.epoch),
         "epoch_s": epoch_s,
         "data_wait_frac": None if wait is None else wait / epoch_s,
         "peak_mem_mb": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,

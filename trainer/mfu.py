@@ -43,12 +43,16 @@ PEAK_TFLOPS: list[tuple[str, dict[str, float]]] = [
 class Meter:
     flops_per_image: float | None = None  # forward + backward, one training image
     peak_flops: float | None = None  # FLOP/s of all the run's devices together; None: unknown
+    low_res_flops_per_image: float | None = None  # the same at data.low_res, in its epochs
+    low_res_epochs: int = 0
 
-    def utilization(self, images_per_s: float | None) -> float | None:
-        """A fraction (0.25 is 25%), or None where the peak is unknown."""
-        if self.peak_flops is None or self.flops_per_image is None or images_per_s is None:
+    def utilization(self, images_per_s: float | None, epoch: int = -1) -> float | None:
+        """A fraction (0.25 is 25%) in this epoch (0-based; -1: one at full size), or None
+        where the peak is unknown."""
+        flops = self.low_res_flops_per_image if 0 <= epoch < self.low_res_epochs else self.flops_per_image
+        if self.peak_flops is None or flops is None or images_per_s is None:
             return None
-        return images_per_s * self.flops_per_image / self.peak_flops
+        return images_per_s * flops / self.peak_flops
 
 
 def flops_per_image(model_cfg: ModelConfig, num_classes: int, batch_shape: tuple[int, ...]) -> float | None:
@@ -89,11 +93,22 @@ def peak_tflops(device_name: str, precision_name: str) -> float | None:
     return None
 
 
-def meter(cfg: TrainConfig, device: torch.device, flops: float | None, world_size: int) -> Meter:
-    """The run's MFU meter; where the device's peak is unknown, one log line says so."""
+def meter(
+    cfg: TrainConfig, device: torch.device, num_classes: int, batch_shape: tuple[int, ...], world_size: int
+) -> Meter:
+    """The run's MFU meter (FLOPs counted at the batch shape, and at data.low_res where set);
+    where the device's peak is unknown, one log line says so."""
+    flops = flops_per_image(cfg.model, num_classes, batch_shape)
+    if cfg.data.low_res and flops is not None:
+        small = flops_per_image(
+            cfg.model, num_classes, (*batch_shape[:2], cfg.data.low_res, cfg.data.low_res)
+        )
+        counted = Meter(flops, low_res_flops_per_image=small, low_res_epochs=cfg.data.low_res_epochs)
+    else:
+        counted = Meter(flops)
     if device.type != "cuda":
         log.info("MFU not reported: no peak FLOP/s known for %s (mfu is null)", device)
-        return Meter(flops)
+        return counted
     name, precision_name = torch.cuda.get_device_name(device), precision(cfg, device)
     tflops = peak_tflops(name, precision_name)
     if tflops is None:
@@ -103,5 +118,5 @@ def meter(cfg: TrainConfig, device: torch.device, flops: float | None, world_siz
             name,
             precision_name,
         )
-        return Meter(flops)
-    return Meter(flops, tflops * 1e12 * world_size)
+        return counted
+    return dataclasses.replace(counted, peak_flops=tflops * 1e12 * world_size)

@@ -51,6 +51,7 @@ class Progress:
         seconds = sum(r["epoch_s"] for r in timed)
         images = sum(r["img_per_s"] * r["epoch_s"] for r in timed)
         waits = [r["data_wait_frac"] * r["epoch_s"] for r in timed if r["data_wait_frac"] is not None]
+        used = [r["mfu"] * r["epoch_s"] for r in timed if r.get("mfu") is not None]
         tested = [r for r in self.history if "test_acc" in r]
         peaks = [r["peak_mem_mb"] for r in self.history if r["peak_mem_mb"] is not None]
         return {
@@ -63,6 +64,8 @@ class Progress:
             "train_loss": self.history[-1]["train_loss"] if self.history else None,
             "img_per_s": images / seconds if seconds else None,
             "data_wait_frac": sum(waits) / seconds if waits and seconds else None,
+            # over the same epochs as img_per_s; each epoch's at its own image size (data.low_res)
+            "mfu": sum(used) / seconds if used and seconds else None,
             "epochs": self.epoch,
             "steps": self.step,
             "train_time_s": self.train_time_s,

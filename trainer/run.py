@@ -280,7 +280,6 @@ class Run:
         return {
             "status": self.status,
             **progress,
-            "mfu": meter.utilization(progress["img_per_s"]),  # over the same epochs as img_per_s
             "flops_per_image": meter.flops_per_image,
             "device": str(self.device) if self.device else self.cfg.device,
             "world_size": ranks.world_size if ranks else None,
