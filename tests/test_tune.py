@@ -82,6 +82,27 @@ def test_a_spent_budget_leaves_settings_unmeasured_not_judged(tmp_path):
         search(spent, TRIED, batch_sizes=[])
 
 
+class NoNewTrialBench(MadeUpBench):
+    """Fails on any trial: every number must come from the earlier ones."""
+
+    def trial(self, label, overrides):
+        raise AssertionError(f"a new trial of {label}, which an earlier one already measured")
+
+
+def test_a_resumed_tune_uses_the_trials_it_finished_before_running_any(tmp_path):
+    full = MadeUpBench(["epochs=3"], tmp_path, repeats=1, budget_s=60, min_gain=0.02)
+    first = search(full, TRIED, batch_sizes=[256, 512, 1024])
+    earlier = [
+        {"trial": n, "setting": s.label, "overrides": s.overrides, "base": ["epochs=3"],
+         "status": "completed", "img_per_s": s.img_per_s, "peak_mem_mb": None, "data_wait_frac": None}
+        for n, s in enumerate((s for s in first.settings if s.img_per_s), start=1)
+    ]  # fmt: skip
+    resumed = NoNewTrialBench(["epochs=3"], tmp_path, 1, 60, 0.02, earlier=earlier)
+    again = search(resumed, TRIED, batch_sizes=[256, 512, 1024])
+    assert [(s.label, s.verdict) for s in again.settings] == [(s.label, s.verdict) for s in first.settings]
+    assert resumed.trials == len(earlier)  # a new trial would be numbered after them
+
+
 def test_toggles_a_device_cannot_use_are_listed_with_the_reason():
     split = split_for(list(CANDIDATES), "cpu", custom_model=True, fixed_keys={"amp"})
     assert "needs a CUDA device" in split.not_tried["tf32"]
@@ -122,6 +143,16 @@ def test_the_tuner_writes_a_preset_that_composes_and_matches_its_table(tmp_path)
     )
     assert shown.returncode == 0, shown.stderr
     assert f"channels_last: {str(kept).lower()}" in shown.stdout
+    # a second tune into the same folder is refused, unless it continues the first (--resume)
+    trials = (out / "trials.jsonl").read_text()
+    again = subprocess.run(command, capture_output=True, text=True, timeout=HANG_GUARD_S)
+    assert again.returncode == 2 and "add --resume to continue it" in again.stderr
+    resumed = subprocess.run([*command, "--resume"], capture_output=True, text=True, timeout=HANG_GUARD_S)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming: 2 earlier trial(s)" in resumed.stdout
+    assert (out / "trials.jsonl").read_text() == trials and (
+        out / "perf" / "tuned.yaml"
+    ).read_text() == preset
 
 
 @pytest.mark.parametrize(

@@ -13,12 +13,14 @@ Then larger batches are tried on the result (reported, not set: a batch changes 
 optimization). Writes <out>/perf/tuned.yaml (a comment per line: what it measured), tune.md,
 tune.csv, tune.png and trials.jsonl (every trial as it ends). Toggles that cannot act on the
 device are listed with the reason; trials the --budget-min leaves no room for are listed as not
-measured.
+measured. `--resume` continues a tune in --out that its budget or a stop cut short: the trials it
+finished are used first, then the rest are run.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from datetime import datetime
 from pathlib import Path
@@ -58,6 +60,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--min-gain", type=float, default=0.02, help="least speed-up that counts (default 0.02)"
     )
+    parser.add_argument(
+        "--resume", action="store_true", help="continue the stopped tune in --out: its trials are used first"
+    )
     parser.add_argument("--toggles", help=f"comma-separated subset of: {', '.join(NAMES)} (default: all)")
     parser.add_argument(
         "--batch-sizes",
@@ -95,15 +100,37 @@ def batch_sizes(spec: str, batch_size: int) -> list[int]:
     return sizes
 
 
-def prepare_out(out: Path) -> Path:
+def prepare_out(out: Path, resume: bool) -> Path:
     out = out.expanduser().absolute()
-    if (out / "trials.jsonl").exists():
-        raise ConfigError(f"{out} already holds a tune (trials.jsonl): pick another --out")
+    if (out / "trials.jsonl").exists() and not resume:
+        raise ConfigError(
+            f"{out} already holds a tune (trials.jsonl): pick another --out, or add --resume to continue it"
+        )
+    if resume and not (out / "trials.jsonl").is_file():
+        raise ConfigError(f"--resume: {out} holds no trials.jsonl to continue: leave out --resume")
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         raise ConfigError(f"cannot make {out} ({error.strerror}): pick another --out") from None
     return out
+
+
+def earlier_trials(out: Path, base: list[str]) -> list[dict]:
+    """The trials a stopped tune in `out` finished, when it tuned this same run (same overrides,
+    epochs); a line cut off by the stop is left out."""
+    records = []
+    for line in (out / "trials.jsonl").read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    other = next((record.get("base") for record in records if record.get("base") != base), None)
+    if other is not None or any("base" not in record for record in records):
+        raise ConfigError(
+            f"--resume: the tune in {out} ran {' '.join(other or ['(unknown)'])}, not {' '.join(base)}: "
+            "resume with the same overrides and --epochs, or pick another --out"
+        )
+    return records
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -113,7 +140,10 @@ def main(argv: list[str] | None = None) -> int:
         candidates = pick(args.toggles)
         cfg = check_composition([*args.overrides, "perf=default"])
         sizes = batch_sizes(args.batch_sizes, cfg.batch_size)
-        out = prepare_out(args.out or Path("outputs") / "tune" / f"{datetime.now():%Y-%m-%d/%H-%M-%S}")
+        if args.resume and not args.out:
+            raise ConfigError("--resume continues the tune in --out: give --out")
+        default_out = Path("outputs") / "tune" / f"{datetime.now():%Y-%m-%d/%H-%M-%S}"
+        out = prepare_out(args.out or default_out, args.resume)
     except (ConfigError, ValueError) as error:
         print(f"tune: error: {error}", file=sys.stderr)
         return 2
@@ -136,7 +166,14 @@ def main(argv: list[str] | None = None) -> int:
         f"run: {' '.join(args.overrides) or '(no overrides)'} on perf=default",
     ]
     base = [*args.overrides, f"epochs={args.epochs}", f"eval_every={args.epochs}", "eval.tta=none"]
-    bench = Bench(base, out, args.repeats, 60 * args.budget_min, args.min_gain)
+    try:
+        earlier = earlier_trials(out, base) if args.resume else []
+    except ConfigError as error:
+        print(f"tune: error: {error}", file=sys.stderr)
+        return 2
+    bench = Bench(base, out, args.repeats, 60 * args.budget_min, args.min_gain, earlier)
+    if earlier:
+        print(f"tune: resuming: {len(earlier)} earlier trial(s) in {out} are used first", flush=True)
     print(f"tune: {len(split.tryable)} toggle(s) to try on {device}, writing to {out}", flush=True)
     try:
         outcome = search(bench, split.tryable, sizes)

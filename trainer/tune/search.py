@@ -67,12 +67,30 @@ def ordered_union(*override_lists: list[str] | tuple[str, ...]) -> list[str]:
 class Bench:
     """Runs settings as trials inside a time budget; every trial's numbers go to trials.jsonl."""
 
-    def __init__(self, base: list[str], out: Path, repeats: int, budget_s: float, min_gain: float):
+    def __init__(
+        self,
+        base: list[str],
+        out: Path,
+        repeats: int,
+        budget_s: float,
+        min_gain: float,
+        earlier: list[dict] | None = None,
+    ):
         self.base, self.out, self.repeats = base, out, repeats
         self.budget_s, self.min_gain = budget_s, min_gain
         self.started = time.monotonic()
         self.durations: list[float] = []
-        self.trials = 0
+        # --resume: the trials.jsonl records of a stopped tune of this run, used before any new trial
+        self.earlier = list(earlier or [])
+        self.trials = max((record["trial"] for record in self.earlier), default=0)
+
+    def reused(self, overrides: list[str]) -> list[dict]:
+        """Up to `repeats` earlier trials of these overrides (each used once), as trial() returns them."""
+        found = [record for record in self.earlier if record["overrides"] == overrides][: self.repeats]
+        for record in found:
+            self.earlier.remove(record)
+        skip = ("trial", "setting", "overrides", "base")
+        return [{key: value for key, value in record.items() if key not in skip} for record in found]
 
     def affordable(self) -> bool:
         typical = statistics.median(self.durations) if self.durations else 0.0
@@ -80,8 +98,8 @@ class Bench:
 
     def measure(self, phase: str, label: str, overrides: list[str]) -> Setting:
         setting = Setting(phase, label, overrides)
-        runs = []
-        for _ in range(self.repeats):
+        runs = self.reused(overrides)
+        for _ in range(self.repeats - len(runs)):
             if not self.affordable():
                 break
             runs.append(self.trial(label, overrides))
@@ -114,7 +132,7 @@ class Bench:
         numbers = steady_numbers(trial)
         append_jsonl(
             self.out / "trials.jsonl",
-            {"trial": self.trials, "setting": label, "overrides": overrides, **numbers},
+            {"trial": self.trials, "setting": label, "overrides": overrides, "base": self.base, **numbers},
         )
         return numbers
 
