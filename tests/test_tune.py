@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import HANG_GUARD_S
@@ -62,6 +63,39 @@ def test_the_search_keeps_what_pays_and_drops_what_the_rest_do_as_well_without(t
     assert outcome.final.phase == "final" and outcome.final.img_per_s == 199
     # 512 is faster than 256 by less than the noise: the search stops there, 1024 never runs
     assert outcome.best_batch.label == "batch_size=256" and "batch_size=1024" not in verdicts
+
+
+JOINT_SPEEDS = {  # each of channels_last and CUDA graphs is within the noise alone, not together
+    (): 100,
+    AMP: 150,
+    LAST: 110,
+    GRAPHS: 140,
+    AMP + LAST + GRAPHS: 200,
+    LAST + GRAPHS: 120,
+    AMP + GRAPHS: 198,
+    AMP + LAST: 197,
+}
+
+
+class JointBench(MadeUpBench):
+    def trial(self, label, overrides):
+        self.durations.append(0.0)
+        speed = next(v for k, v in JOINT_SPEEDS.items() if frozenset(k) == frozenset(overrides))
+        return {"status": "completed", "img_per_s": speed, "peak_mem_mb": None, "data_wait_frac": None}
+
+
+def test_toggles_that_cost_speed_only_when_dropped_together_stay():
+    tried = [BY_NAME[name] for name in ("amp", "channels_last", "compile_mode=reduce_overhead")]
+    outcome = search(JointBench([], Path("unused"), 1, 60, 0.02), tried, batch_sizes=[])
+    verdicts = {(setting.phase, setting.label): setting.verdict for setting in outcome.settings}
+    assert verdicts["leave one out", "without channels_last"].startswith("drop channels_last")
+    assert verdicts["leave one out", "without compile_mode=reduce_overhead"].startswith("drop compile_mode")
+    assert verdicts["final", "amp"] == (
+        "slower than the kept set: dropping channels_last, compile_mode=reduce_overhead together costs 25%, "
+        "so they stay"
+    )
+    assert [c.name for c in outcome.kept] == ["amp", "channels_last", "compile_mode=reduce_overhead"]
+    assert outcome.final.img_per_s == 200
 
 
 class OneTrialBench(MadeUpBench):

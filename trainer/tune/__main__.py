@@ -8,7 +8,8 @@ Every trial is `python -m trainer` with your overrides on perf=default, run for 
 (images/s over the epochs after the first), --repeats times. Each toggle is added alone; those
 faster than the baseline by more than the noise (the larger min-max spread of the two, at least
 --min-gain) are kept, the best of alternatives (compile modes); the kept set is measured
-together and without each of its toggles, and a toggle the rest do as well without is dropped.
+together and without each of its toggles, and a toggle the rest do as well without is dropped
+(unless the smaller set, measured again, is slower than the whole: then all stay).
 Then larger batches are tried on the result (reported, not set: a batch changes the
 optimization). Writes <out>/perf/tuned.yaml (a comment per line: what it measured), tune.md,
 tune.csv, tune.png and trials.jsonl (every trial as it ends). Toggles that cannot act on the

@@ -194,7 +194,9 @@ def names_of(candidates: list[Candidate]) -> str:
 
 def leave_one_out(bench: Bench, kept: list[Candidate]) -> tuple[list[Setting], list[Candidate], Setting]:
     """The kept set together, then without each of its toggles: one that the rest do as well
-    without is dropped, and the remaining set measured once more."""
+    without is dropped, and the remaining set measured once more. Toggles each within the noise
+    alone can cost speed together: when the smaller set is slower than the whole beyond the
+    noise, or could not be measured, the whole set stays."""
     together = bench.measure("kept together", names_of(kept), overrides_of(kept))
     settings, still = [together], []
     if together.verdict:
@@ -219,6 +221,18 @@ def leave_one_out(bench: Bench, kept: list[Candidate]) -> tuple[list[Setting], l
         return settings, kept, together
     final = bench.measure("final", names_of(still), overrides_of(still))
     settings.append(final)
+    if final.verdict:  # not measured or failed: no evidence that the smaller set is as fast
+        final.verdict += f"; the kept set stands ({names_of(kept)})"
+        return settings, kept, together
+    bench.compare(final, together)
+    if 1 / final.ratio - 1 > final.noise:
+        dropped = [candidate.name for candidate in kept if candidate not in still]
+        final.verdict = (
+            f"slower than the kept set: dropping {', '.join(dropped)} together costs "
+            f"{1 - final.ratio:.0%}, so they stay"
+        )
+        return settings, kept, together
+    final.verdict = "the preset"
     return settings, still, final
 
 
