@@ -63,6 +63,25 @@ def test_the_search_keeps_what_pays_and_drops_what_the_rest_do_as_well_without(t
     assert outcome.final.phase == "final" and outcome.final.img_per_s == 199
     # 512 is faster than 256 by less than the noise: the search stops there, 1024 never runs
     assert outcome.best_batch.label == "batch_size=256" and "batch_size=1024" not in verdicts
+    # set_to_none, within the noise alone, is tried on the result (CUDA graphs already set it)
+    assert verdicts["+ set_to_none"] == "no faster on amp + compile_mode=reduce_overhead"
+
+
+class AddBackBench(MadeUpBench):
+    def trial(self, label, overrides):
+        self.durations.append(0.0)
+        speeds = {(): 100, AMP: 150, LAST: 98, AMP + LAST: 190}
+        speed = next(v for k, v in speeds.items() if frozenset(k) == frozenset(overrides))
+        return {"status": "completed", "img_per_s": speed, "peak_mem_mb": None, "data_wait_frac": None}
+
+
+def test_a_toggle_slower_alone_joins_when_it_pays_on_the_result():
+    tried = [BY_NAME["amp"], BY_NAME["channels_last"]]
+    outcome = search(AddBackBench([], Path("unused"), 1, 60, 0.02), tried, batch_sizes=[])
+    verdicts = {(setting.phase, setting.label): setting.verdict for setting in outcome.settings}
+    assert verdicts["add one", "channels_last"] == "slower"
+    assert verdicts["add back", "+ channels_last"] == "pays on amp: joins"
+    assert [c.name for c in outcome.kept] == ["amp", "channels_last"] and outcome.final.img_per_s == 190
 
 
 JOINT_SPEEDS = {  # each of channels_last and CUDA graphs is within the noise alone, not together

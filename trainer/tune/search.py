@@ -8,7 +8,8 @@ than `min_gain`.
 
 The search: the baseline; each candidate added alone (of a group of alternatives, the best
 that pays); the kept ones together; each taken out of that set again, dropped when the rest do
-as well without it; then larger batches on the result. Settings the time budget leaves no room
+as well without it; then the toggles that did not pay alone, each added to the result;
+then larger batches on the result. Settings the time budget leaves no room
 for are listed as not measured.
 
 Owns: the search and its verdicts. Must not touch: the candidate list (candidates.py), what is
@@ -236,6 +237,34 @@ def leave_one_out(bench: Bench, kept: list[Candidate]) -> tuple[list[Setting], l
     return settings, still, final
 
 
+def add_back(
+    bench: Bench, final: Setting, kept: list[Candidate], candidates: list[Candidate], singles: list[Setting]
+) -> tuple[list[Setting], list[Candidate], Setting]:
+    """Each toggle that did not pay alone, added to the result: some pay only beside others
+    (channels_last once amp is on). One faster than the result beyond the noise joins it, and
+    the next is tried on top."""
+    alone = {setting.label: setting.verdict for setting in singles}
+    taken = {candidate.group or candidate.name for candidate in kept}
+    settings = []
+    for candidate in candidates:
+        if (candidate.group or candidate.name) in taken or alone.get(candidate.name) not in (
+            "slower",
+            "within the noise",
+        ):
+            continue
+        setting = bench.measure("add back", f"+ {candidate.name}", overrides_of([*kept, candidate]))
+        settings.append(setting)
+        if setting.verdict:
+            continue
+        if bench.compare(setting, final):
+            setting.verdict = f"pays on {final.label}: joins"
+            kept, final = [*kept, candidate], setting
+            taken.add(candidate.group or candidate.name)
+        else:
+            setting.verdict = f"no faster on {final.label}"
+    return settings, kept, final
+
+
 def larger_batches(
     bench: Bench, final: Setting, batch_sizes: list[int]
 ) -> tuple[list[Setting], Setting | None]:
@@ -273,5 +302,8 @@ def search(bench: Bench, candidates: list[Candidate], batch_sizes: list[int]) ->
     elif kept:
         together, kept, final = leave_one_out(bench, kept)
         settings += together
+    if kept:
+        added, kept, final = add_back(bench, final, kept, candidates, singles)
+        settings += added
     batches, best_batch = larger_batches(bench, final, batch_sizes)
     return Outcome(settings + batches, kept, final, best_batch)
