@@ -200,3 +200,21 @@ def test_resuming_with_a_longer_schedule_is_refused_in_one_line(tmp_path, uninte
 
     assert "\n" not in str(caught.value)
     assert read_metrics(tmp_path / "resumed")["status"] == "failed"
+
+
+def test_a_run_failing_mid_epoch_reports_the_steps_its_checkpoint_holds(tmp_path, monkeypatch):
+    from trainer import loop
+
+    step = loop.optimizer_step
+
+    def fail_in_epoch_two(parts, progress):
+        if progress.step == STEPS_PER_EPOCH + 2:
+            raise RuntimeError("a device error in epoch 2")
+        step(parts, progress)
+
+    monkeypatch.setattr(loop, "optimizer_step", fail_in_epoch_two)
+    with pytest.raises(RuntimeError, match="a device error"):
+        Trainer(compose_config(*RESUMABLE), tmp_path).fit()
+    metrics = read_metrics(tmp_path)
+    assert metrics["status"] == "failed" and len(metrics["history"]) == 1
+    assert metrics["steps"] == load_checkpoint(tmp_path)["step"] == STEPS_PER_EPOCH

@@ -297,6 +297,9 @@ class Run:
         self.status = "interrupted" if isinstance(error, KeyboardInterrupt) else "failed"
         # A launcher's own summary is empty: rank 0's record holds the run's progress.
         summary = {**self.summary(ranks), **self.ranks_record, "status": self.status}
+        if self.progress.history and not self.ranks_record:
+            # steps as last.pt holds them (the last epoch's), not the steps of the epoch cut short
+            summary["steps"] = self.progress.history[-1]["step"]
         summary["error"] = str(error).splitlines()[0] if str(error) else type(error).__name__
         if isinstance(error, distributed.WorkerFailed):
             summary["failed_rank"] = error.rank
