@@ -3,6 +3,8 @@ effect, and bad combinations cost one line (CPU)."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from conftest import compose_config
@@ -57,6 +59,14 @@ def test_bad_low_res_settings_are_refused(overrides, message):
 def test_a_model_that_needs_32x32_images_is_refused_before_training(tmp_path):
     with pytest.raises(ConfigError, match="cnn cannot take 24x24 images"):
         Trainer(compose_config("data.low_res=24", "data.low_res_epochs=1"), tmp_path / "run").build()
+
+
+def test_zero_init_residual_elsewhere_says_once_that_it_cannot_act(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="trainer")
+    overrides = (*LOW_RES, "data.low_res_epochs=1", "model.zero_init_residual=true")
+    Trainer(compose_config(*overrides), tmp_path).build()  # the model, its shape check, two FLOP counts
+    said = [r.message for r in caplog.records if "zero_init_residual acts on resnet18 only" in r.message]
+    assert said == ["model.zero_init_residual acts on resnet18 only: fastcnn is unchanged"]
 
 
 def test_zero_init_residual_starts_every_block_as_the_identity():

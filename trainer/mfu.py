@@ -20,7 +20,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from trainer import perf
 from trainer.config import ModelConfig, TrainConfig
-from trainer.models import build_model
+from trainer.models import build_model, shapes_only
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ class Meter:
 def flops_per_image(model_cfg: ModelConfig, num_classes: int, batch_shape: tuple[int, ...]) -> float | None:
     """Forward + backward FLOPs per image of the model, at this batch shape; None for a
     model.target whose code the meta device cannot run (it trains on a real device all the same)."""
-    plain = dataclasses.replace(model_cfg, grad_checkpointing=False, conv_bias=True)  # bias: not counted
+    plain = shapes_only(model_cfg)  # no checkpointing's recomputation; a conv bias is not counted
     try:
         with torch.device("meta"):
             model = build_model(plain, num_classes)

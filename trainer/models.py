@@ -9,6 +9,7 @@ Must not touch: device, memory format, wrapping and compiling (trainer/perf/mode
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 import logging
@@ -210,11 +211,18 @@ def check_target(target: str, num_classes: int = 10) -> None:
         dry_run(target, builder, num_classes)
 
 
+def shapes_only(cfg: ModelConfig) -> ModelConfig:
+    """The config of a throwaway meta-device copy (FLOP counts, shape checks): the options that
+    change neither its shapes nor its counted FLOPs left at their defaults, so that building it
+    logs none of their "acts on ... only" lines a second time."""
+    return dataclasses.replace(cfg, grad_checkpointing=False, conv_bias=True, zero_init_residual=False)
+
+
 def check_low_res(cfg: ModelConfig, num_classes: int, size: int) -> None:
     """The model takes size x size images (data.low_res), checked on a meta-device copy before
     anything is trained: a head sized for 32x32 (the tutorial cnn's) cannot."""
     with torch.device("meta"), torch.no_grad(), torch.random.fork_rng(devices=[]):
-        model = build_model(cfg, num_classes)
+        model = build_model(shapes_only(cfg), num_classes)
         try:
             model(torch.zeros(DRY_RUN_IMAGES, 3, size, size))
         except Exception as error:  # any failure of the forward pass is the answer
@@ -243,20 +251,18 @@ def initialize_from_data(model: nn.Module, split) -> None:
 
 def build_model(cfg: ModelConfig, num_classes: int) -> nn.Module:
     if cfg.target:
-        if cfg.grad_checkpointing or not cfg.conv_bias:
+        if cfg.grad_checkpointing or not cfg.conv_bias or cfg.zero_init_residual:
             log.info(
-                "model.target=%s: model.grad_checkpointing and model.conv_bias act on the "
-                "built-in models only",
+                "model.target=%s: model.grad_checkpointing, model.conv_bias and model.zero_init_residual "
+                "act on the built-in models only",
                 cfg.target,
             )
         check_target(cfg.target, num_classes)
         return build_target(cfg.target, num_classes)
-    if cfg.name is ModelName.resnet18:
-        model = resnet18(num_classes, conv_bias=cfg.conv_bias, zero_init_residual=cfg.zero_init_residual)
-    else:
-        model = BUILDERS[cfg.name](num_classes, conv_bias=cfg.conv_bias)
-        if cfg.zero_init_residual:
-            log.info("model.zero_init_residual acts on resnet18 only: %s is unchanged", cfg.name.value)
+    only_resnet18 = {"zero_init_residual": cfg.zero_init_residual} if cfg.name is ModelName.resnet18 else {}
+    if cfg.zero_init_residual and not only_resnet18:
+        log.info("model.zero_init_residual acts on resnet18 only: %s is unchanged", cfg.name.value)
+    model = BUILDERS[cfg.name](num_classes, conv_bias=cfg.conv_bias, **only_resnet18)
     if cfg.name is ModelName.cnn and (cfg.grad_checkpointing or not cfg.conv_bias):
         log.info(
             "cnn has no residual stages and no BatchNorm: model.grad_checkpointing and "
