@@ -63,8 +63,8 @@ def test_the_search_keeps_what_pays_and_drops_what_the_rest_do_as_well_without(t
     assert outcome.final.phase == "final" and outcome.final.img_per_s == 199
     # 512 is faster than 256 by less than the noise: the search stops there, 1024 never runs
     assert outcome.best_batch.label == "batch_size=256" and "batch_size=1024" not in verdicts
-    # set_to_none, within the noise alone, is tried on the result (CUDA graphs already set it)
-    assert verdicts["+ set_to_none"] == "no faster on amp + compile_mode=reduce_overhead"
+    # set_to_none, within the noise alone, is not tried again on the result: CUDA graphs set it
+    assert "+ set_to_none" not in verdicts and "set_to_none=true" in outcome.final.overrides
 
 
 class AddBackBench(MadeUpBench):

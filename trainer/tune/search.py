@@ -252,6 +252,8 @@ def add_back(
             "within the noise",
         ):
             continue
+        if set(candidate.overrides) <= set(overrides_of(kept)):
+            continue  # already on in the result (set_to_none comes with CUDA graphs)
         setting = bench.measure("add back", f"+ {candidate.name}", overrides_of([*kept, candidate]))
         settings.append(setting)
         if setting.verdict:
