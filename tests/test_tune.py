@@ -75,6 +75,20 @@ class AddBackBench(MadeUpBench):
         return {"status": "completed", "img_per_s": speed, "peak_mem_mb": None, "data_wait_frac": None}
 
 
+def test_repeats_go_to_the_close_calls_and_to_the_references(tmp_path):
+    bench = MadeUpBench([], tmp_path, repeats=3, budget_s=60, min_gain=0.02)
+    outcome = search(bench, TRIED, batch_sizes=[256, 512, 1024])
+    runs = {setting.label: setting.summary["runs"] for setting in outcome.settings}
+    # references: all their repeats
+    assert runs["perf=default"] == runs[outcome.final.label] == 3
+    assert runs["amp + channels_last + compile_mode=reduce_overhead"] == 3
+    # 1.5x, 1.1x, 1.3x, 1.4x against a 2% noise: one run decides; 1.01x: all three
+    assert {runs[name] for name in ("amp", "channels_last", "compile", "compile_mode=reduce_overhead")} == {1}
+    assert runs["set_to_none"] == 3
+    # a larger batch that pays becomes the next one's reference: topped up to all its repeats
+    assert runs["batch_size=256"] == 3 and runs["batch_size=512"] == 3
+
+
 def test_a_toggle_slower_alone_joins_when_it_pays_on_the_result():
     tried = [BY_NAME["amp"], BY_NAME["channels_last"]]
     outcome = search(AddBackBench([], Path("unused"), 1, 60, 0.02), tried, batch_sizes=[])
@@ -146,14 +160,31 @@ def test_a_resumed_tune_uses_the_trials_it_finished_before_running_any(tmp_path)
     full = MadeUpBench(["epochs=3"], tmp_path, repeats=1, budget_s=60, min_gain=0.02)
     first = search(full, TRIED, batch_sizes=[256, 512, 1024])
     earlier = [
-        {"trial": n, "setting": s.label, "overrides": s.overrides, "base": ["epochs=3"],
+        {"trial": n, "setting": s.label, "overrides": s.overrides, "base": ["epochs=3"], "machine": "here",
          "status": "completed", "img_per_s": s.img_per_s, "peak_mem_mb": None, "data_wait_frac": None}
         for n, s in enumerate((s for s in first.settings if s.img_per_s), start=1)
     ]  # fmt: skip
-    resumed = NoNewTrialBench(["epochs=3"], tmp_path, 1, 60, 0.02, earlier=earlier)
+    resumed = NoNewTrialBench(["epochs=3"], tmp_path, 1, 60, 0.02, earlier=earlier, machine="here")
     again = search(resumed, TRIED, batch_sizes=[256, 512, 1024])
     assert [(s.label, s.verdict) for s in again.settings] == [(s.label, s.verdict) for s in first.settings]
     assert resumed.trials == len(earlier)  # a new trial would be numbered after them
+
+
+def test_a_resumed_tune_reuses_only_finished_trials_of_this_machine(tmp_path):
+    baseline = {"setting": "perf=default", "overrides": [], "base": [], "peak_mem_mb": None,
+                "data_wait_frac": None, "status": "completed", "img_per_s": 100}  # fmt: skip
+    earlier = [
+        {"trial": 1, **baseline, "machine": "here"},
+        {"trial": 2, **baseline, "machine": "here", "status": "timed out after 30 s"},
+        {"trial": 3, **baseline, "machine": "another host", "img_per_s": 150},
+        {"trial": 4, **baseline},  # from before trials said their machine
+    ]
+    resumed = MadeUpBench([], tmp_path, 3, budget_s=60, min_gain=0.02, earlier=earlier, machine="here")
+    setting = resumed.measure("baseline", "perf=default", [])
+    # one run reused, two new; the stopped one is not a failure, the other machines' are not used
+    assert setting.summary["runs"] == 3 and setting.summary["status"] == "completed"
+    assert setting.summary["max_img_per_s"] == 100 and resumed.elsewhere == 2
+    assert resumed.trials == 4  # new trials are numbered after all the earlier ones
 
 
 def test_toggles_a_device_cannot_use_are_listed_with_the_reason():

@@ -9,9 +9,9 @@ results can be appended as JSON lines as they come, so a stopped series keeps wh
 Owns: the warm-up rule (`timed_epochs`, `includes_warm_up`; the sweep report reads it too),
 starting a trial and reading back what it left (`run_trial`), the numbers of one trial
 (`steady_numbers`) and of its repeats (`median_and_spread`), and the cells every trial table
-shares (`fmt`, `spread`, `environment`). Must not touch: what to run (row lists, peers and
+shares (`fmt`, `spread`, `environment`, `machine`). Must not touch: what to run (row lists, peers and
 their tables live in scripts/, the choice of settings in the tuner) or the training itself;
-torch is imported only by `environment()`, so the report can use this module without it.
+torch is imported only by `environment()` and `machine()`, so the report can use this module without it.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import platform
 import signal
 import statistics
 import subprocess
@@ -197,3 +198,12 @@ def environment() -> str:
 
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
     return f"{gpu}, torch {torch.__version__}, {datetime.now():%Y-%m-%d}"
+
+
+def machine() -> str:
+    """This host, its GPU and torch: trials compare only with trials of the same machine (two
+    hosts of one GPU kind have differed by up to 1.5x on the same run)."""
+    import torch
+
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    return f"{platform.node()}, {gpu}, torch {torch.__version__}"

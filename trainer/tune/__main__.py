@@ -5,9 +5,10 @@
     python -m trainer --config-dir tuned perf=tuned model=cnn        # train with what it found
 
 Every trial is `python -m trainer` with your overrides on perf=default, run for --epochs epochs
-(images/s over the epochs after the first), --repeats times. Each toggle is added alone; those
-faster than the baseline by more than the noise (the larger min-max spread of the two, at least
---min-gain) are kept, the best of alternatives (compile modes); the kept set is measured
+(images/s over the epochs after the first), up to --repeats times: references (the baseline, the
+kept set, the result) get all of them, a setting whose first run is 4x the noise away from its
+reference no more. Each toggle is added alone; those faster than the baseline by more than the
+noise (the larger min-max spread of the two, at least --min-gain) are kept, the best of alternatives (compile modes); the kept set is measured
 together and without each of its toggles, and a toggle the rest do as well without is dropped
 (unless the smaller set, measured again, is slower than the whole: then all stay); each toggle
 that did not pay alone is then added to the result and kept where it pays there. Then larger
@@ -16,7 +17,7 @@ Writes <out>/perf/tuned.yaml (a comment per line: what it measured), tune.md,
 tune.csv, tune.png and trials.jsonl (every trial as it ends). Toggles that cannot act on the
 device are listed with the reason; trials the --budget-min leaves no room for are listed as not
 measured. `--resume` continues a tune in --out that its budget or a stop cut short: the trials it
-finished are used first, then the rest are run.
+finished on this machine are used first, then the rest are run.
 """
 
 from __future__ import annotations
@@ -58,7 +59,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--epochs", type=int, default=3, help="epochs per trial, the first left out (default 3)"
     )
-    parser.add_argument("--repeats", type=int, default=3, help="trials per setting (default 3)")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="trials per setting, at most (default 3; fewer where clear)"
+    )
     parser.add_argument(
         "--min-gain", type=float, default=0.02, help="least speed-up that counts (default 0.02)"
     )
@@ -151,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import torch  # only once the command line has passed its checks
 
-    from trainer.trials import environment
+    from trainer.trials import environment, machine
     from trainer.tune.output import write_all
     from trainer.tune.search import Bench, TuneError, search
 
@@ -164,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     split = split_for(candidates, device, cfg.model.target is not None, fixed_keys)
     header = [
         f"{environment()}; {args.epochs} epochs a trial (images/s over epochs 2-{args.epochs}), "
-        f"{args.repeats} trial(s) a setting, noise at least {100 * args.min_gain:.0f}%",
+        f"up to {args.repeats} trial(s) a setting, noise at least {100 * args.min_gain:.0f}%",
         f"run: {' '.join(args.overrides) or '(no overrides)'} on perf=default",
     ]
     base = [*args.overrides, f"epochs={args.epochs}", f"eval_every={args.epochs}", "eval.tta=none"]
@@ -173,9 +176,15 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         print(f"tune: error: {error}", file=sys.stderr)
         return 2
-    bench = Bench(base, out, args.repeats, 60 * args.budget_min, args.min_gain, earlier)
+    bench = Bench(base, out, args.repeats, 60 * args.budget_min, args.min_gain, earlier, machine())
     if earlier:
-        print(f"tune: resuming: {len(earlier)} earlier trial(s) in {out} are used first", flush=True)
+        print(f"tune: resuming: {len(bench.earlier)} earlier trial(s) in {out} are used first", flush=True)
+    if bench.elsewhere:
+        print(
+            f"tune: {bench.elsewhere} earlier trial(s) ran on another machine (or do not say which) and are "
+            "not used: hosts of one GPU kind differ by up to 1.5x; their settings run again here",
+            flush=True,
+        )
     print(f"tune: {len(split.tryable)} toggle(s) to try on {device}, writing to {out}", flush=True)
     try:
         outcome = search(bench, split.tryable, sizes)

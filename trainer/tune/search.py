@@ -1,10 +1,14 @@
 """Measuring settings and deciding which toggles pay.
 
 A setting is the user's run (model, data, any overrides) on perf=default plus some toggles;
-it is measured as `repeats` trials, each its own process (trainer.trials: images/s without the
-first epoch, median and min-max spread). A toggle pays when the setting with it is faster than
+it is measured as up to `repeats` trials, each its own process (trainer.trials: images/s without
+the first epoch, median and min-max spread). A toggle pays when the setting with it is faster than
 the one without by more than the noise: the larger relative spread of the two, and never less
-than `min_gain`.
+than `min_gain`. A reference (the baseline, the kept set, the result) always gets all its
+repeats; a setting compared with one stops repeating once its first run differs from it by more
+than CLEAR times the noise (amp's 2.9x needs no second run to be believed), so the repeats go
+to the close calls. Trials compare only with trials of the same machine: a resumed tune reuses
+none from another host.
 
 The search: the baseline; each candidate added alone (of a group of alternatives, the best
 that pays); the kept ones together; each taken out of that set again, dropped when the rest do
@@ -25,8 +29,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainer.report.jobs import parse_override
-from trainer.trials import append_jsonl, median_and_spread, run_trial, steady_numbers, trainer_command
+from trainer.trials import (
+    TIMED_OUT,
+    append_jsonl,
+    median_and_spread,
+    run_trial,
+    steady_numbers,
+    trainer_command,
+)
 from trainer.tune.candidates import Candidate
+
+# A first run this many times the noise away from its reference decides without repeats
+CLEAR = 4.0
 
 
 class TuneError(Exception):
@@ -43,6 +57,7 @@ class Setting:
     ratio: float | None = None  # its images/s over the reference's
     noise: float | None = None  # the relative difference the repeats cannot tell from chance
     verdict: str = ""
+    runs: list[dict] = field(default_factory=list)  # each trial's numbers (trainer.trials.steady_numbers)
 
     @property
     def img_per_s(self) -> float | None:
@@ -76,49 +91,78 @@ class Bench:
         budget_s: float,
         min_gain: float,
         earlier: list[dict] | None = None,
+        machine: str = "",
     ):
         self.base, self.out, self.repeats = base, out, repeats
-        self.budget_s, self.min_gain = budget_s, min_gain
+        self.budget_s, self.min_gain, self.machine = budget_s, min_gain, machine
         self.started = time.monotonic()
         self.durations: list[float] = []
-        # --resume: the trials.jsonl records of a stopped tune of this run, used before any new trial
-        self.earlier = list(earlier or [])
-        self.trials = max((record["trial"] for record in self.earlier), default=0)
+        # --resume: the trials.jsonl records of a stopped tune of this run, used before any new
+        # trial, when they ran on this machine (another host's speeds do not compare with ours).
+        # A trial stopped at its time limit was stopped by that tune's budget (a trial's limit is
+        # what was left of it): it says nothing about its setting, so it runs again.
+        earlier = list(earlier or [])
+        self.trials = max((record["trial"] for record in earlier), default=0)
+        here = [record for record in earlier if record.get("machine") == machine]
+        self.elsewhere = len(earlier) - len(here)  # set aside: from another machine, or not saying
+        self.earlier = [record for record in here if not record["status"].startswith(TIMED_OUT)]
 
     def reused(self, overrides: list[str]) -> list[dict]:
         """Up to `repeats` earlier trials of these overrides (each used once), as trial() returns them."""
         found = [record for record in self.earlier if record["overrides"] == overrides][: self.repeats]
         for record in found:
             self.earlier.remove(record)
-        skip = ("trial", "setting", "overrides", "base")
+        skip = ("trial", "setting", "overrides", "base", "machine")
         return [{key: value for key, value in record.items() if key not in skip} for record in found]
 
     def affordable(self) -> bool:
         typical = statistics.median(self.durations) if self.durations else 0.0
         return time.monotonic() - self.started + typical <= self.budget_s
 
-    def measure(self, phase: str, label: str, overrides: list[str]) -> Setting:
-        setting = Setting(phase, label, overrides)
-        runs = self.reused(overrides)
-        for _ in range(self.repeats - len(runs)):
-            if not self.affordable():
-                break
-            runs.append(self.trial(label, overrides))
-        if not runs:
+    def measure(
+        self, phase: str, label: str, overrides: list[str], against: Setting | None = None
+    ) -> Setting:
+        """Up to `repeats` trials of the overrides; with `against` (the reference it will be
+        compared with), fewer once the runs so far decide the comparison beyond doubt."""
+        setting = Setting(phase, label, overrides, runs=self.reused(overrides))
+        self.top_up(setting, against)
+        if not setting.runs:
             setting.summary, setting.verdict = (
                 {"runs": 0, "status": "not measured"},
                 "not measured: budget spent",
             )
             return setting
-        setting.summary = median_and_spread(runs)
-        if not setting.img_per_s:
-            setting.verdict = f"failed: {setting.summary['status']}"
         print(
             f"tune: {phase:<15} {label:<40} {setting.img_per_s or 0:>10,.0f} img/s "
             f"({setting.summary['runs']} run(s), {time.monotonic() - self.started:.0f} s)",
             flush=True,
         )
         return setting
+
+    def top_up(self, setting: Setting, against: Setting | None = None) -> Setting:
+        """Runs the setting's missing repeats (as the budget allows), or, with `against`, until
+        its runs decide the comparison; a setting about to become a reference is topped up to
+        all its repeats."""
+        while True:
+            if setting.runs:
+                setting.summary = median_and_spread(setting.runs)
+            if len(setting.runs) >= self.repeats or not self.affordable():
+                break
+            if against is not None and setting.runs and self.clear(setting, against):
+                break
+            setting.runs.append(self.trial(setting.label, setting.overrides))
+        if setting.runs and not setting.img_per_s:
+            setting.verdict = f"failed: {setting.summary['status']}"
+        return setting
+
+    def clear(self, setting: Setting, reference: Setting) -> bool:
+        """Whether the setting's runs so far differ from the reference by more than CLEAR times
+        the noise (a run that failed decides nothing: it is repeated)."""
+        if not (setting.img_per_s and reference.img_per_s) or len(setting.runs) != setting.summary["runs"]:
+            return False
+        ratio = setting.img_per_s / reference.img_per_s
+        noise = max(setting.relative_spread(), reference.relative_spread(), self.min_gain)
+        return abs(ratio - 1) > CLEAR * noise
 
     def trial(self, label: str, overrides: list[str]) -> dict:
         self.trials += 1
@@ -131,10 +175,8 @@ class Bench:
         self.durations.append(time.monotonic() - started)
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # weights of a timing run: not kept
         numbers = steady_numbers(trial)
-        append_jsonl(
-            self.out / "trials.jsonl",
-            {"trial": self.trials, "setting": label, "overrides": overrides, "base": self.base, **numbers},
-        )
+        record = {"trial": self.trials, "setting": label, "overrides": overrides, "base": self.base}
+        append_jsonl(self.out / "trials.jsonl", {**record, "machine": self.machine, **numbers})
         return numbers
 
     def compare(self, setting: Setting, reference: Setting) -> bool:
@@ -162,7 +204,7 @@ def add_one(
     singles = {}
     for candidate in candidates:
         setting = singles[candidate.name] = bench.measure(
-            "add one", candidate.name, list(candidate.overrides)
+            "add one", candidate.name, list(candidate.overrides), against=baseline
         )
         if setting.verdict:
             continue
@@ -207,6 +249,7 @@ def leave_one_out(bench: Bench, kept: list[Candidate]) -> tuple[list[Setting], l
             "leave one out",
             f"without {candidate.name}",
             overrides_of([c for c in kept if c is not candidate]),
+            against=together,
         )
         settings.append(without)
         if without.verdict:
@@ -254,11 +297,14 @@ def add_back(
             continue
         if set(candidate.overrides) <= set(overrides_of(kept)):
             continue  # already on in the result (set_to_none comes with CUDA graphs)
-        setting = bench.measure("add back", f"+ {candidate.name}", overrides_of([*kept, candidate]))
+        setting = bench.measure(
+            "add back", f"+ {candidate.name}", overrides_of([*kept, candidate]), against=final
+        )
         settings.append(setting)
         if setting.verdict:
             continue
-        if bench.compare(setting, final):
+        # one that pays becomes the next one's reference: judged again on all its repeats
+        if bench.compare(setting, final) and bench.compare(bench.top_up(setting), final):
             setting.verdict = f"pays on {final.label}: joins"
             kept, final = [*kept, candidate], setting
             taken.add(candidate.group or candidate.name)
@@ -272,12 +318,15 @@ def larger_batches(
 ) -> tuple[list[Setting], Setting | None]:
     settings, best = [], None
     for batch in batch_sizes:
-        setting = bench.measure("batch", f"batch_size={batch}", [*final.overrides, f"batch_size={batch}"])
+        setting = bench.measure(
+            "batch", f"batch_size={batch}", [*final.overrides, f"batch_size={batch}"], against=best or final
+        )
         settings.append(setting)
         if setting.verdict:
             break  # out of memory or out of time: a larger batch will not do better
         reference = best or final
-        if bench.compare(setting, reference):
+        # one that is faster becomes the next batch's reference: judged again on all its repeats
+        if bench.compare(setting, reference) and bench.compare(bench.top_up(setting), reference):
             setting.verdict = "faster"
             best = setting
         else:
@@ -300,7 +349,7 @@ def search(bench: Bench, candidates: list[Candidate], batch_sizes: list[int]) ->
     settings = [baseline, *singles]
     final = baseline
     if len(kept) == 1:
-        final = next(s for s in singles if s.label == kept[0].name)
+        final = bench.top_up(next(s for s in singles if s.label == kept[0].name))  # the reference from here
     elif kept:
         together, kept, final = leave_one_out(bench, kept)
         settings += together
