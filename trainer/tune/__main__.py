@@ -8,16 +8,16 @@ Every trial is `python -m trainer` with your overrides on perf=default, run for 
 (images/s over the epochs after the first), up to --repeats times: references (the baseline, the
 kept set, the result) get all of them, a setting whose first run is 4x the noise away from its
 reference no more. Each toggle is added alone; those faster than the baseline by more than the
-noise (the larger min-max spread of the two, at least --min-gain) are kept, the best of alternatives (compile modes); the kept set is measured
-together and without each of its toggles, and a toggle the rest do as well without is dropped
-(unless the smaller set, measured again, is slower than the whole: then all stay); each toggle
-that did not pay alone is then added to the result and kept where it pays there. Then larger
-batches are tried on the result (reported, not set: a batch changes the optimization).
-Writes <out>/perf/tuned.yaml (a comment per line: what it measured), tune.md,
-tune.csv, tune.png and trials.jsonl (every trial as it ends). Toggles that cannot act on the
-device are listed with the reason; trials the --budget-min leaves no room for are listed as not
-measured. `--resume` continues a tune in --out that its budget or a stop cut short: the trials it
-finished on this machine are used first, then the rest are run.
+noise (the larger min-max spread of the two, at least --min-gain) are kept, the best of
+alternatives (compile modes); the kept set is measured together and without each of its toggles,
+and a toggle the rest do as well without is dropped (unless the smaller set, measured again, is
+slower than the whole: then all stay); each toggle that did not pay alone is then added to the
+result and kept where it pays there. Then larger batches are tried on the result (reported, not
+set: a batch changes the optimization). Writes <out>/perf/tuned.yaml (a comment per line: what it
+measured), tune.md, tune.csv, tune.png and trials.jsonl (every trial as it ends). Toggles that
+cannot act on the device are listed with the reason; trials the --budget-min leaves no room for
+are listed as not measured. `--resume` continues a tune in --out that its budget or a stop cut
+short: the trials it finished on this machine are used first, then the rest are run.
 """
 
 from __future__ import annotations

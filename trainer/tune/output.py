@@ -37,12 +37,16 @@ def yaml_lines(overrides: list[str], comments: dict[str, str]) -> list[str]:
 def tuned_yaml(outcome: Outcome, not_tried: dict[str, str], header: list[str]) -> str:
     singles = {s.label: s for s in outcome.settings if s.phase == "add one"}
     dropped = {s.label.removeprefix("without "): s for s in outcome.settings if s.phase == "leave one out"}
+    added = {s.label.removeprefix("+ "): s for s in outcome.settings if s.phase == "add back"}
     comments, overrides = {}, []
     for candidate in outcome.kept:
         alone = singles[candidate.name]
         said = f"{candidate.name}: alone {percent(alone.ratio)} (noise {100 * alone.noise:.1f}%)"
         if candidate.name in dropped and dropped[candidate.name].ratio:
             said += f"; in the kept set {percent(1 / dropped[candidate.name].ratio)}"
+        if candidate.name in added:
+            back = added[candidate.name]
+            said += f"; added to the result {percent(back.ratio)} (noise {100 * back.noise:.1f}%)"
         for override in candidate.overrides:
             if override not in overrides:
                 overrides.append(override)

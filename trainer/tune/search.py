@@ -58,6 +58,7 @@ class Setting:
     noise: float | None = None  # the relative difference the repeats cannot tell from chance
     verdict: str = ""
     runs: list[dict] = field(default_factory=list)  # each trial's numbers (trainer.trials.steady_numbers)
+    cut_short: bool = False  # a trial of it was stopped when the budget ran out
 
     @property
     def img_per_s(self) -> float | None:
@@ -127,9 +128,9 @@ class Bench:
         setting = Setting(phase, label, overrides, runs=self.reused(overrides))
         self.top_up(setting, against)
         if not setting.runs:
-            setting.summary, setting.verdict = (
-                {"runs": 0, "status": "not measured"},
-                "not measured: budget spent",
+            setting.summary = {"runs": 0, "status": "not measured"}
+            setting.verdict = "not measured: budget spent" + (
+                " (its trial was stopped when it ran out)" if setting.cut_short else ""
             )
             return setting
         print(
@@ -150,7 +151,11 @@ class Bench:
                 break
             if against is not None and setting.runs and self.clear(setting, against):
                 break
-            setting.runs.append(self.trial(setting.label, setting.overrides))
+            numbers = self.trial(setting.label, setting.overrides)
+            if numbers["status"].startswith(TIMED_OUT):  # its limit is what was left of the budget
+                setting.cut_short = True
+                break
+            setting.runs.append(numbers)
         if setting.runs and not setting.img_per_s:
             setting.verdict = f"failed: {setting.summary['status']}"
         return setting
