@@ -10,7 +10,8 @@ no row inherits another's compiled graphs, cuDNN plans or allocator state):
   peers    the trainer against scripts/handwritten_loop.py at identical settings: the classic
            torchvision pipeline (2 workers, fp32 with TF32 convolutions, batch 128), the same
            with the usual checklist (8 workers, pinned memory, non-blocking copies, fp16 AMP,
-           channels_last, set_to_none, cuDNN autotuning, batch 512), and perf=fast
+           channels_last, set_to_none, cuDNN autotuning, batch 512), perf=fast, and perf=fast
+           with every epoch at 24x24 (data.low_res, progressive resizing's small epochs)
   default  `python -m trainer` with no override, and with amp=true
   added    each toggle added to a fed baseline (perf=default: fp32, batch 128, num_workers=auto)
   removed  each toggle taken out of perf=fast (leave-one-out)
@@ -91,6 +92,12 @@ SECTIONS: dict[str, list[Row]] = {
         Row("checklist: trainer", CHECKLIST),
         Row("fast: hand-written", handwritten=["--loader", "gpu"]),
         Row("fast: trainer", ["perf=fast"]),
+        # every epoch at 24x24 (recipe=resnet18_94 trains its first 14 so): the downscaling's cost
+        Row(
+            "low-res: hand-written",
+            handwritten=["--loader", "gpu", "--low-res", "24", "--low-res-epochs", "99"],
+        ),
+        Row("low-res: trainer", ["perf=fast", "data.low_res=24", "data.low_res_epochs=99"]),
     ],
     "default": [
         Row("default", []),

@@ -9,7 +9,9 @@ No config system, no logging, no checks. Two loaders, the two paths the trainer 
                     a GradScaler for fp16, channels_last, cuDNN autotuning
   --loader gpu      perf=fast by hand: uint8 data on the GPU, per-image crop + flip there,
                     bf16 autocast, channels_last, CUDA-graph torch.compile, fused SGD,
-                    zero_grad(set_to_none=True), no conv bias before BatchNorm
+                    zero_grad(set_to_none=True), no conv bias before BatchNorm; with
+                    --low-res S --low-res-epochs N the first N epochs train on the augmented
+                    batches downscaled to SxS (antialiased bilinear), as data.low_res does
 
 Both: ResNet-18 (CIFAR stem) or the cnn, SGD (lr 0.05, momentum 0.9, Nesterov, weight decay
 5e-4) with OneCycle (20% warm-up), no label smoothing, a random flip each epoch, no TTA:
@@ -122,6 +124,10 @@ def main() -> None:
     classic.add_argument("--cudnn-benchmark", action="store_true")
     classic.add_argument("--loader-only", action="store_true", help="iterate the loader, no model")
     parser.add_argument("--compile-mode", default="reduce-overhead", help="gpu loader")
+    parser.add_argument("--low-res", type=int, default=0, help="gpu loader: the first epochs' image size")
+    parser.add_argument(
+        "--low-res-epochs", type=int, default=0, help="gpu loader: how many epochs at --low-res"
+    )
     args = parser.parse_args()
     gpu_path = args.loader == "gpu"
     args.batch_size = args.batch_size or (512 if gpu_path else 128)
@@ -144,7 +150,8 @@ def main() -> None:
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     model = build_model(ModelConfig(name=ModelName(args.model), conv_bias=not gpu_path), 10)
     model = model.to(device, memory_format=fmt)
-    step_model = torch.compile(model, mode=args.compile_mode) if gpu_path else model
+    # static shapes: a second image size (--low-res) gets a graph of its own, not a dynamic one
+    step_model = torch.compile(model, mode=args.compile_mode, dynamic=False) if gpu_path else model
     peak_lr = 0.05 * args.batch_size / 128  # 0.05 per 128 images, scaled linearly
     optimizer = torch.optim.SGD(
         model.parameters(), lr=peak_lr, momentum=0.9, nesterov=True, weight_decay=5e-4, fused=gpu_path or None
@@ -165,10 +172,15 @@ def main() -> None:
         synchronize()
         started = time.perf_counter()
         batches = gpu_batches(images, labels, args.batch_size, device) if gpu_path else loader
+        low_res = gpu_path and epoch < args.low_res_epochs and args.low_res
         for batch, target in batches:
             if args.loader_only:
                 continue
             batch = batch.to(device, non_blocking=non_blocking, memory_format=fmt)
+            if low_res:
+                size = (args.low_res, args.low_res)
+                batch = F.interpolate(batch, size=size, mode="bilinear", antialias=True, align_corners=False)
+                batch = batch.contiguous(memory_format=fmt)
             target = target.to(device, non_blocking=non_blocking)
             with autocast():
                 loss = F.cross_entropy(step_model(batch), target)
