@@ -155,3 +155,19 @@ def test_a_timed_out_trial_ends_its_series(capsys):
     assert len(runs) == 1
     last_line = capsys.readouterr().out.splitlines()[-1]
     assert last_line == "  s | row | the other 2 run(s) skipped: run 1 timed out"
+
+
+def test_the_machine_names_the_gpu_by_its_uuid(monkeypatch):
+    """Cloud machines of one kind share a host name ('vm'): only the GPU's UUID tells two apart."""
+    import torch
+
+    class Properties:
+        uuid = "GPU-1234"
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *_: Properties())
+    one = trials.machine()
+    Properties.uuid = "GPU-5678"
+    assert "NVIDIA H200 GPU-1234" in one and one != trials.machine()

@@ -202,8 +202,12 @@ def environment() -> str:
 
 def machine() -> str:
     """This host, its GPU and torch: trials compare only with trials of the same machine (two
-    hosts of one GPU kind have differed by up to 1.5x on the same run)."""
+    hosts of one GPU kind have differed by up to 1.5x on the same run). The GPU is named by its
+    UUID too: cloud machines of one kind often share a host name."""
     import torch
 
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    gpu = "no GPU"
+    if torch.cuda.is_available():
+        uuid = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "uuid", "")
+        gpu = f"{torch.cuda.get_device_name()} {uuid}".strip()
     return f"{platform.node()}, {gpu}, torch {torch.__version__}"
