@@ -64,3 +64,34 @@ def test_a_run_from_python_logs_like_the_command_line_unless_the_caller_set_up_l
     monkeypatch.setattr(logging.getLogger(), "handlers", [logging.NullHandler()])  # the caller's own
     console_unless_configured()
     assert ours.handlers == []
+
+
+def test_the_bar_rate_counts_the_wait_for_the_device_to_finish_the_window(monkeypatch):
+    """With CUDA graphs the host queues a window's steps far ahead of the device: the rate must be
+    timed to the sync that reads the losses, not to the last step queued."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from trainer import loop
+
+    clock, stack = Clock(), torch.stack
+
+    def stack_after_the_device(tensors):  # reading the losses waits 1 s for the device
+        clock.now += 1.0
+        return stack(tensors)
+
+    monkeypatch.setattr(loop.time, "perf_counter", clock)
+    monkeypatch.setattr(loop.torch, "stack", stack_after_the_device)
+    shown = {}
+    parts = SimpleNamespace(
+        grad_accum_steps=1,
+        images_per_micro_batch=100,
+        scheduler=SimpleNamespace(get_last_lr=lambda: [0.1]),
+        mfu=SimpleNamespace(utilization=lambda *_: None),
+    )
+    run = SimpleNamespace(log=SimpleNamespace(scalars=lambda *_: None))
+    bar = SimpleNamespace(set_postfix=lambda **values: shown.update(values))
+    window = [torch.tensor(2.0)] * 4
+    loop.log_window(parts, SimpleNamespace(step=4, epoch=0), run, window, bar, started=clock.now)
+    assert shown["img_s"] == "400" and shown["loss"] == "2.000"

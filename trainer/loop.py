@@ -105,13 +105,13 @@ def train_epoch(parts: Parts, progress: Progress, run: Run) -> dict:
         if not boundary:
             continue
         if progress.step % parts.log_every == 0 or progress.step >= parts.total_steps:
-            loss_total += log_window(parts, progress, run, window, bar, time.perf_counter() - window_started)
+            loss_total += log_window(parts, progress, run, window, bar, window_started)
             micro_batches += len(window)
             window, window_started = [], time.perf_counter()
         if progress.step >= parts.total_steps or run.stop_agreed():
             break
     if window:
-        loss_total += log_window(parts, progress, run, window, bar, time.perf_counter() - window_started)
+        loss_total += log_window(parts, progress, run, window, bar, window_started)
         micro_batches += len(window)
     parts.synchronize()
     epoch_s = time.perf_counter() - started
@@ -138,9 +138,12 @@ def optimizer_step(parts: Parts, progress: Progress) -> None:
     parts.average.after_step(progress.step)
 
 
-def log_window(parts: Parts, progress: Progress, run: Run, window: list, bar, seconds: float) -> float:
-    """One host sync per window: read the losses, stop on NaN/inf, log. Returns their sum."""
+def log_window(parts: Parts, progress: Progress, run: Run, window: list, bar, started: float) -> float:
+    """One host sync per window: read the losses, stop on NaN/inf, log. Returns their sum. The
+    window's rate is timed to that sync: before it, the host has only queued the window's work
+    (with CUDA graphs the bar read 114k img/s on an epoch of 78k)."""
     losses = torch.stack(window).float().tolist()
+    seconds = time.perf_counter() - started
     bad = next((i for i, value in enumerate(losses) if not math.isfinite(value)), None)
     if bad is not None:
         steps_in_window = math.ceil(len(losses) / parts.grad_accum_steps)
