@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 from conftest import HANG_GUARD_S
 
+from trainer.tune.bench import Bench
 from trainer.tune.candidates import CANDIDATES, split_for
 from trainer.tune.output import tuned_yaml
-from trainer.tune.search import Bench, TuneError, search
+from trainer.tune.search import TuneError, search
 
 BY_NAME = {candidate.name: candidate for candidate in CANDIDATES}
 TRIED = [

@@ -2,9 +2,10 @@
 and a perf preset (perf/tuned.yaml) that turns on exactly those.
 
     candidates.py  the toggles the tuner tries and which of them can act on a device
-    search.py      measuring settings (one process per trial, repeats, a time budget) and
-                   deciding: add one at a time, keep what pays beyond the noise, take each out
-                   of the kept set again, then larger batches
+    bench.py       measuring settings: one process per trial, repeats until the comparison is
+                   clear, a time budget, trials of this machine reused on --resume
+    search.py      deciding: add one at a time, keep what pays beyond the noise, take each out
+                   of the kept set again, add back, then larger batches
     output.py      tuned.yaml, tune.md, tune.csv, tune.png
     __main__.py    the command line
 """

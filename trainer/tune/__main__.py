@@ -155,8 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch  # only once the command line has passed its checks
 
     from trainer.trials import environment, machine
+    from trainer.tune.bench import Bench
     from trainer.tune.output import write_all
-    from trainer.tune.search import Bench, TuneError, search
+    from trainer.tune.search import TuneError, search
 
     device = (
         "cuda"

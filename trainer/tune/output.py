@@ -1,7 +1,7 @@
 """What the tuner writes: <out>/perf/tuned.yaml, tune.md, tune.csv and tune.png.
 
-Owns: the files and their wording. Must not touch: the numbers (search.py measured and judged
-them) or anything outside --out.
+Owns: the files and their wording. Must not touch: the numbers (bench.py measured them,
+search.py judged them) or anything outside --out.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from pathlib import Path
 
 from trainer.atomic import write_atomic
 from trainer.trials import fmt, spread
-from trainer.tune.search import Outcome, Setting
+from trainer.tune.bench import Setting
+from trainer.tune.search import Outcome
 
 
 def percent(ratio: float | None) -> str:
