@@ -2,8 +2,8 @@
 
 Owns: the candidate list (a name, the overrides that turn it on, the group of alternatives it
 belongs to, what it needs) and the split into the ones a device can try and the ones it cannot,
-with the reason. Must not touch: measuring (bench.py) or deciding (search.py), or how a run applies a
-toggle (trainer.perf).
+with the reason. Must not touch: measuring (bench.py) or deciding (search.py), or how a run
+applies a toggle (trainer.perf).
 """
 
 from __future__ import annotations
