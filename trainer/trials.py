@@ -9,9 +9,10 @@ results can be appended as JSON lines as they come, so a stopped series keeps wh
 Owns: the warm-up rule (`timed_epochs`, `includes_warm_up`; the sweep report reads it too),
 starting a trial and reading back what it left (`run_trial`), the numbers of one trial
 (`steady_numbers`) and of its repeats (`median_and_spread`), and the cells every trial table
-shares (`fmt`, `spread`, `environment`, `machine`). Must not touch: what to run (row lists, peers and
-their tables live in scripts/, the choice of settings in the tuner) or the training itself;
-torch is imported only by `environment()` and `machine()`, so the report can use this module without it.
+shares (`fmt`, `spread`, `environment`, `machine`). Must not touch: what to run (row lists,
+peers and their tables live in scripts/, the choice of settings in the tuner) or the training
+itself; torch is imported only by `gpu_name()` and its callers, so the report can use this
+module without it.
 """
 
 from __future__ import annotations
@@ -192,12 +193,23 @@ def spread(result: dict) -> str:
     return f"{result['min_img_per_s']:,.0f}-{result['max_img_per_s']:,.0f}"
 
 
+def gpu_name(with_uuid: bool = False) -> str:
+    """This process's GPU ('no GPU' without CUDA); with_uuid adds the card's own UUID."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "no GPU"
+    if not with_uuid:
+        return torch.cuda.get_device_name()
+    uuid = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "uuid", "")
+    return f"{torch.cuda.get_device_name()} {uuid}".strip()
+
+
 def environment() -> str:
     """The GPU, torch version and date, for a table's header."""
     import torch
 
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
-    return f"{gpu}, torch {torch.__version__}, {datetime.now():%Y-%m-%d}"
+    return f"{gpu_name()}, torch {torch.__version__}, {datetime.now():%Y-%m-%d}"
 
 
 def machine() -> str:
@@ -206,8 +218,4 @@ def machine() -> str:
     UUID too: cloud machines of one kind often share a host name."""
     import torch
 
-    gpu = "no GPU"
-    if torch.cuda.is_available():
-        uuid = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "uuid", "")
-        gpu = f"{torch.cuda.get_device_name()} {uuid}".strip()
-    return f"{platform.node()}, {gpu}, torch {torch.__version__}"
+    return f"{platform.node()}, {gpu_name(with_uuid=True)}, torch {torch.__version__}"

@@ -151,9 +151,14 @@ class Bench:
         the noise (a run that failed decides nothing: it is repeated)."""
         if not (setting.img_per_s and reference.img_per_s) or len(setting.runs) != setting.summary["runs"]:
             return False
-        ratio = setting.img_per_s / reference.img_per_s
-        noise = max(setting.relative_spread(), reference.relative_spread(), self.min_gain)
+        ratio, noise = self.ratio_and_noise(setting, reference)
         return abs(ratio - 1) > CLEAR * noise
+
+    def ratio_and_noise(self, setting: Setting, reference: Setting) -> tuple[float, float]:
+        """The setting's images/s over the reference's, and the relative difference their repeats
+        cannot tell from chance: the larger relative spread of the two, at least min_gain."""
+        noise = max(setting.relative_spread(), reference.relative_spread(), self.min_gain)
+        return setting.img_per_s / reference.img_per_s, noise
 
     def trial(self, label: str, overrides: list[str]) -> dict:
         self.trials += 1
@@ -175,6 +180,5 @@ class Bench:
         setting.reference = reference.label
         if not (setting.img_per_s and reference.img_per_s):
             return False
-        setting.ratio = setting.img_per_s / reference.img_per_s
-        setting.noise = max(setting.relative_spread(), reference.relative_spread(), self.min_gain)
+        setting.ratio, setting.noise = self.ratio_and_noise(setting, reference)
         return setting.ratio - 1 > setting.noise
