@@ -63,7 +63,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--repeats", type=int, default=3, help="trials per setting, at most (default 3; fewer where clear)"
     )
     parser.add_argument(
-        "--min-gain", type=float, default=0.02, help="least speed-up that counts (default 0.02)"
+        "--min-gain",
+        type=float,
+        default=0.02,
+        help="least speed-up that counts; a set that loses less without a toggle drops it (default 0.02)",
     )
     parser.add_argument(
         "--resume", action="store_true", help="continue the stopped tune in --out: its trials are used first"
