@@ -39,12 +39,16 @@ def tuned_yaml(outcome: Outcome, not_tried: dict[str, str], header: list[str]) -
     singles = {s.label: s for s in outcome.settings if s.phase == "add one"}
     dropped = {s.label.removeprefix("without "): s for s in outcome.settings if s.phase == "leave one out"}
     added = {s.label.removeprefix("+ "): s for s in outcome.settings if s.phase == "add back"}
+    final = next((s for s in outcome.settings if s.phase == "final"), None)
     comments, overrides = {}, []
     for candidate in outcome.kept:
         alone = singles[candidate.name]
         said = f"{candidate.name}: alone {percent(alone.ratio)} (noise {100 * alone.noise:.1f}%)"
         if candidate.name in dropped and dropped[candidate.name].ratio:
             said += f"; in the kept set {percent(1 / dropped[candidate.name].ratio)}"
+            if dropped[candidate.name].verdict.startswith("drop") and final is not None and final.ratio:
+                # it stays although the rest did as well without it: the smaller set, measured again, did not
+                said += f"; the set without the dropped ones {percent(final.ratio)}, so it stays"
         if candidate.name in added:
             back = added[candidate.name]
             said += f"; added to the result {percent(back.ratio)} (noise {100 * back.noise:.1f}%)"
