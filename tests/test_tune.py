@@ -84,11 +84,12 @@ def test_repeats_go_to_the_close_calls_and_to_the_references(tmp_path):
     # references: all their repeats
     assert runs["perf=default"] == runs[outcome.final.label] == 3
     assert runs["amp + channels_last + compile_mode=reduce_overhead"] == 3
-    # 1.5x, 1.1x, 1.3x, 1.4x against a 2% noise: one run decides; 1.01x: all three
+    # 1.5x, 1.1x, 1.3x, 1.4x against a 2% noise: one run decides; 1.01x: two of three runs at or
+    # under the 2% that pays settle it (the median of three will be there too)
     assert {runs[name] for name in ("amp", "channels_last", "compile", "compile_mode=reduce_overhead")} == {1}
-    assert runs["set_to_none"] == 3
+    assert runs["set_to_none"] == 2
     # a larger batch that pays becomes the next one's reference: topped up to all its repeats
-    assert runs["batch_size=256"] == 3 and runs["batch_size=512"] == 3
+    assert runs["batch_size=256"] == 3 and runs["batch_size=512"] == 2
 
 
 def test_a_toggle_slower_alone_joins_when_it_pays_on_the_result():
@@ -147,7 +148,7 @@ NOISY_RUNS = {  # each setting's runs in turn, modelled on the fast CNN's trials
     GRAPHS + TF32 + NO_BIAS: [120, 121, 119],  # without amp: slower beyond the noise
     AMP + TF32 + NO_BIAS: [90, 91, 92],
     AMP + GRAPHS + TF32: [148, 149, 150],  # without conv_bias=false: 0.84x, within the noise
-    AMP + GRAPHS + NO_BIAS: [176, 178, 177, 150, 152, 155],  # without tf32 as fast; then 0.86x
+    AMP + GRAPHS + NO_BIAS: [176, 170, 178, 150, 152, 155],  # without tf32 as fast; then 0.86x
 }
 
 
@@ -177,8 +178,20 @@ def test_a_toggle_that_paid_alone_leaves_the_set_only_when_the_rest_are_as_fast(
         "slower than the kept set: dropping tf32 costs 14%, so it stays"
     )
     assert [c.name for c in outcome.kept] == [c.name for c in tried] and outcome.final.img_per_s == 177
+    # two runs on one side of "as fast" (within 2%) settle a set without a toggle; split, it takes a third
+    runs = {
+        setting.label: setting.summary["runs"]
+        for setting in outcome.settings
+        if setting.phase == "leave one out"
+    }
+    assert runs == {
+        "without amp": 2,
+        "without compile_mode=reduce_overhead": 2,
+        "without tf32": 3,
+        "without model.conv_bias=false": 2,
+    }
     preset = tuned_yaml(outcome, {}, [])  # tf32 stays: its line says why, beside the set it was dropped from
-    said = "tf32: alone +30.0% (noise 2.0%); in the kept set +0.0%; the set without the dropped ones -14.1%"
+    said = "tf32: alone +30.0% (noise 2.0%); in the kept set +0.6%; the set without the dropped ones -14.1%"
     assert f"tf32: true  # {said}, so it stays" in preset
 
 

@@ -7,7 +7,9 @@ the one without by more than the noise: the larger relative spread of the two, a
 than `min_gain`. A reference (the baseline, the kept set, the result) always gets all its
 repeats; a setting compared with one stops repeating once its first run differs from it by more
 than CLEAR times the noise (amp's 2.9x needs no second run to be believed), so the repeats go
-to the close calls. Trials compare only with trials of the same machine: a resumed tune reuses
+to the close calls; and once a majority of its repeats lies on one side of the line that
+decides it (the search says where, and which side cannot change), since the median of all of
+them will lie there too. Trials compare only with trials of the same machine: a resumed tune reuses
 none from another host.
 
 Owns: running and reusing trials, the budget, repeats and the comparison of two settings. Must
@@ -20,6 +22,7 @@ from __future__ import annotations
 import shutil
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -58,6 +61,10 @@ class Setting:
         if not self.img_per_s or self.summary["runs"] < 2:
             return 0.0
         return (self.summary["max_img_per_s"] - self.summary["min_img_per_s"]) / self.img_per_s
+
+
+# Whether a setting's runs so far settle its comparison with the reference (search.py decides)
+Settled = Callable[["Setting", "Setting"], bool]
 
 
 def on_top(base: list[str], overrides: list[str]) -> list[str]:
@@ -107,12 +114,18 @@ class Bench:
         return time.monotonic() - self.started + typical <= self.budget_s
 
     def measure(
-        self, phase: str, label: str, overrides: list[str], against: Setting | None = None
+        self,
+        phase: str,
+        label: str,
+        overrides: list[str],
+        against: Setting | None = None,
+        settled: Settled | None = None,
     ) -> Setting:
         """Up to `repeats` trials of the overrides; with `against` (the reference it will be
-        compared with), fewer once the runs so far decide the comparison beyond doubt."""
+        compared with), fewer once the runs so far decide the comparison beyond doubt, or
+        `settled` says the rest cannot change its verdict."""
         setting = Setting(phase, label, overrides, runs=self.reused(overrides))
-        self.top_up(setting, against)
+        self.top_up(setting, against, settled)
         if not setting.runs:
             setting.summary = {"runs": 0, "status": "not measured"}
             setting.verdict = "not measured: budget spent" + (
@@ -126,7 +139,9 @@ class Bench:
         )
         return setting
 
-    def top_up(self, setting: Setting, against: Setting | None = None) -> Setting:
+    def top_up(
+        self, setting: Setting, against: Setting | None = None, settled: Settled | None = None
+    ) -> Setting:
         """Runs the setting's missing repeats (as the budget allows), or, with `against`, until
         its runs decide the comparison; a setting about to become a reference is topped up to
         all its repeats."""
@@ -136,6 +151,8 @@ class Bench:
             if len(setting.runs) >= self.repeats or not self.affordable():
                 break
             if against is not None and setting.runs and self.clear(setting, against):
+                break
+            if settled is not None and against is not None and setting.runs and settled(setting, against):
                 break
             numbers = self.trial(setting.label, setting.overrides)
             if numbers["status"].startswith(TIMED_OUT):  # its limit is what was left of the budget
@@ -153,6 +170,14 @@ class Bench:
             return False
         ratio, noise = self.ratio_and_noise(setting, reference)
         return abs(ratio - 1) > CLEAR * noise
+
+    def majority(self, setting: Setting, reference: Setting, test: Callable[[float], bool]) -> bool:
+        """Whether more than half of `repeats` runs, among those so far, pass `test` on their
+        images/s over the reference's: then the median of all of them will pass it too."""
+        speeds = [run.get("img_per_s") for run in setting.runs]
+        if not reference.img_per_s or not all(speeds):
+            return False  # a failed run decides nothing
+        return sum(test(speed / reference.img_per_s) for speed in speeds) > self.repeats // 2
 
     def ratio_and_noise(self, setting: Setting, reference: Setting) -> tuple[float, float]:
         """The setting's images/s over the reference's, and the relative difference their repeats

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainer.tune.bench import Bench, Setting
+from trainer.tune.bench import Bench, Setting, Settled
 from trainer.tune.candidates import Candidate
 
 
@@ -40,6 +40,31 @@ class Outcome:
     best_batch: Setting | None  # a larger batch that pays, or None
 
 
+def cannot_pay(bench: Bench) -> Settled:
+    """For a setting that counts only when it pays beyond the noise: settled once a majority of
+    its repeats ran at or under that gain. Their median will too, and more runs can only widen
+    the noise, so no further run can make it pay."""
+
+    def settled(setting: Setting, reference: Setting) -> bool:
+        _, noise = bench.ratio_and_noise(setting, reference)
+        return bench.majority(setting, reference, lambda ratio: ratio <= 1 + noise)
+
+    return settled
+
+
+def as_fast_or_not(bench: Bench) -> Settled:
+    """For a set without one toggle: settled once a majority of its repeats is on one side of
+    "as fast" (within min_gain, a fixed line), where the median of all of them will be too."""
+    line = 1 / (1 + bench.min_gain)
+
+    def settled(setting: Setting, reference: Setting) -> bool:
+        return bench.majority(setting, reference, lambda ratio: ratio >= line) or bench.majority(
+            setting, reference, lambda ratio: ratio < line
+        )
+
+    return settled
+
+
 def add_one(
     bench: Bench, baseline: Setting, candidates: list[Candidate]
 ) -> tuple[list[Setting], list[Candidate]]:
@@ -47,7 +72,7 @@ def add_one(
     singles = {}
     for candidate in candidates:
         setting = singles[candidate.name] = bench.measure(
-            "add one", candidate.name, list(candidate.overrides), against=baseline
+            "add one", candidate.name, list(candidate.overrides), against=baseline, settled=cannot_pay(bench)
         )
         if setting.verdict:
             continue
@@ -98,6 +123,7 @@ def leave_one_out(bench: Bench, kept: list[Candidate]) -> tuple[list[Setting], l
             f"without {candidate.name}",
             overrides_of([c for c in kept if c is not candidate]),
             against=together,
+            settled=as_fast_or_not(bench),
         )
         settings.append(without)
         if without.verdict:
@@ -150,7 +176,11 @@ def add_back(
         if set(candidate.overrides) <= set(overrides_of(kept)):
             continue  # already on in the result (set_to_none comes with CUDA graphs)
         setting = bench.measure(
-            "add back", f"+ {candidate.name}", overrides_of([*kept, candidate]), against=final
+            "add back",
+            f"+ {candidate.name}",
+            overrides_of([*kept, candidate]),
+            against=final,
+            settled=cannot_pay(bench),
         )
         settings.append(setting)
         if setting.verdict:
@@ -171,7 +201,11 @@ def larger_batches(
     settings, best = [], None
     for batch in batch_sizes:
         setting = bench.measure(
-            "batch", f"batch_size={batch}", [*final.overrides, f"batch_size={batch}"], against=best or final
+            "batch",
+            f"batch_size={batch}",
+            [*final.overrides, f"batch_size={batch}"],
+            against=best or final,
+            settled=cannot_pay(bench),
         )
         settings.append(setting)
         if setting.verdict:
