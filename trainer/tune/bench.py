@@ -7,10 +7,10 @@ the one without by more than the noise: the larger relative spread of the two, a
 than `min_gain`. A reference (the baseline, the kept set, the result) always gets all its
 repeats; a setting compared with one stops repeating once its first run differs from it by more
 than CLEAR times the noise (amp's 2.9x needs no second run to be believed), so the repeats go
-to the close calls; and once a majority of its repeats lies on one side of the line that
-decides it (the search says where, and which side cannot change), since the median of all of
-them will lie there too. Trials compare only with trials of the same machine: a resumed tune reuses
-none from another host.
+to the close calls; it also stops once a majority of its repeats lies on one side of the line
+that decides it (the search says where, and which side cannot change), since the median of all
+of them will lie there too. Trials compare only with trials of the same machine: a resumed tune
+reuses none from another host.
 
 Owns: running and reusing trials, the budget, repeats and the comparison of two settings. Must
 not touch: which settings to measure or what a comparison decides (search.py), the trial

@@ -103,8 +103,8 @@ def names_of(candidates: list[Candidate]) -> str:
     return " + ".join(candidate.name for candidate in candidates) or "perf=default"
 
 
-def as_fast(setting: Setting, reference: Setting, min_gain: float) -> bool:
-    """Whether the setting ran at least as fast as the reference, within min_gain (compare() first)."""
+def as_fast(setting: Setting, min_gain: float) -> bool:
+    """Whether the setting ran at least as fast as its reference, within min_gain (compare() first)."""
     return 1 / setting.ratio - 1 <= min_gain
 
 
@@ -130,7 +130,7 @@ def leave_one_out(bench: Bench, kept: list[Candidate]) -> tuple[list[Setting], l
             still.append(candidate)  # not measured: no evidence against it
             continue
         bench.compare(without, together)
-        if as_fast(without, together, bench.min_gain):
+        if as_fast(without, bench.min_gain):
             without.verdict = f"drop {candidate.name}: the rest do as well without it"
         elif 1 / without.ratio - 1 > without.noise:
             without.verdict = f"keep {candidate.name}: the set is slower without it"
@@ -146,7 +146,7 @@ def leave_one_out(bench: Bench, kept: list[Candidate]) -> tuple[list[Setting], l
         final.verdict += f"; the kept set stands ({names_of(kept)})"
         return settings, kept, together
     bench.compare(final, together)
-    if not as_fast(final, together, bench.min_gain):
+    if not as_fast(final, bench.min_gain):
         dropped = [candidate.name for candidate in kept if candidate not in still]
         together_word = " together" if len(dropped) > 1 else ""
         final.verdict = (
