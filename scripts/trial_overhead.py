@@ -14,6 +14,11 @@ the last two). Variants:
   os-exit         os._exit once main() returns: no atexit handlers, no interpreter teardown
                   (what is left is the kernel's and the driver's part)
   no-graphs       compile_mode=default: no CUDA graph pools (changes the work; for the exit only)
+  forked          the tuner's --trial-start forked (trainer/trial_fork.py): forked from a process
+                  that imported the trainer once, ended as multiprocessing ends a child
+
+Beside the times, each variant's images/s (the trial's own number, epochs after the first): a
+variant that changes how the process starts or ends must leave it where plain has it.
 
 A development tool: it decides nothing and writes only under --out.
 """
@@ -29,6 +34,11 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's trainer
+
+from trainer.trial_fork import forked_trial  # noqa: E402
+from trainer.trials import timed_epochs  # noqa: E402
+
 TRIAL = ["epochs=3", "eval_every=3", "eval.tta=none"]
 # main() then os._exit: stdout and stderr flushed first, since os._exit does not
 OS_EXIT = (
@@ -43,24 +53,31 @@ OS_EXIT = (
     "sys.stdout.flush(); sys.stderr.flush()\n"
     "os._exit(code)\n"
 )
-VARIANTS = {
-    "plain": ({}, [], False),
-    "compile-threads": ({"TORCHINDUCTOR_COMPILE_THREADS": "1"}, [], False),
-    "os-exit": ({}, [], True),
-    "no-graphs": ({}, ["compile_mode=default"], False),
+VARIANTS = {  # environment, extra overrides, how the trial starts and ends
+    "plain": ({}, [], "plain"),
+    "compile-threads": ({"TORCHINDUCTOR_COMPILE_THREADS": "1"}, [], "plain"),
+    "os-exit": ({}, [], "os-exit"),
+    "no-graphs": ({}, ["compile_mode=default"], "plain"),
+    "forked": ({}, [], "forked"),
 }
 
 
-def timed_run(overrides: list[str], folder: Path, env: dict, os_exit: bool) -> dict:
+def timed_run(overrides: list[str], folder: Path, env: dict, start_end: str) -> dict:
     start = time.time()
-    head = [sys.executable, "-c", OS_EXIT] if os_exit else [sys.executable, "-m", "trainer"]
-    with open(folder.with_suffix(".log"), "w") as log:
-        code = subprocess.call(
-            [*head, *overrides, f"hydra.run.dir={folder}"],
-            env={**os.environ, **env},
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
+    if start_end == "forked":
+        trial = forked_trial(overrides, folder)
+        folder.with_suffix(".log").write_text(trial.stdout + trial.stderr)
+        code = trial.returncode
+    else:
+        plain = start_end != "os-exit"
+        head = [sys.executable, *(["-m", "trainer"] if plain else ["-c", OS_EXIT])]
+        with open(folder.with_suffix(".log"), "w") as log:
+            code = subprocess.call(
+                [*head, *overrides, f"hydra.run.dir={folder}"],
+                env={**os.environ, **env},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
     gone = time.time() - start
     metrics = folder / "metrics.json"
     if code != 0 or not metrics.exists():
@@ -74,7 +91,17 @@ def timed_run(overrides: list[str], folder: Path, env: dict, os_exit: bool) -> d
         "exit": gone - written,
         "compile": numbers.get("compile_s") or 0.0,
         "train": numbers.get("train_time_s") or 0.0,
+        "img/s": statistics.median(epoch["img_per_s"] for epoch in timed_epochs(numbers["history"])),
     }
+
+
+def cell(column: str, values: list[float]) -> str:
+    """The median; images/s with its min-max spread."""
+    if not values:
+        return ""
+    if column == "img/s":
+        return f"{statistics.median(values):,.0f} ({min(values):,.0f}-{max(values):,.0f})"
+    return f"{statistics.median(values):.1f}"
 
 
 def main() -> None:
@@ -90,17 +117,17 @@ def main() -> None:
         parser.error(f"unknown variant(s) {', '.join(unknown)}: choose from {', '.join(VARIANTS)}")
     args.out.mkdir(parents=True, exist_ok=True)
     overrides = [*args.overrides, *TRIAL]
-    print("warm-up run (fills the compile cache):", timed_run(overrides, args.out / "warm-up", {}, False))
-    columns = ("config", "metrics", "gone", "exit", "compile", "train")
+    print("warm-up run (fills the compile cache):", timed_run(overrides, args.out / "warm-up", {}, "plain"))
+    columns = ("config", "metrics", "gone", "exit", "compile", "train", "img/s")
     print(f"| variant | runs | {' | '.join(columns)} |\n| --- | ---: |{' ---: |' * len(columns)}")
     for name in chosen:
-        env, extra, os_exit = VARIANTS[name]
+        env, extra, start_end = VARIANTS[name]
         runs = [
-            timed_run([*overrides, *extra], args.out / f"{name}-{n}", env, os_exit)
+            timed_run([*overrides, *extra], args.out / f"{name}-{n}", env, start_end)
             for n in range(args.repeats)
         ]
         done = [run for run in runs if "failed" not in run]
-        cells = [f"{statistics.median(run[c] for run in done):.1f}" if done else "" for c in columns]
+        cells = [cell(c, [run[c] for run in done]) for c in columns]
         failed = [run["failed"] for run in runs if "failed" in run]
         print(f"| {name} | {len(done)} | {' | '.join(cells)} |" + (f" failed: {failed[0]}" if failed else ""))
 

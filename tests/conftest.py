@@ -8,6 +8,7 @@ import os
 import resource
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -49,10 +50,17 @@ THREADS = "1"
 
 @pytest.fixture(autouse=True, scope="session")
 def one_torch_thread():
-    threads = torch.get_num_threads()
+    """Here, and in the processes started from here with this environment (the forkserver of
+    trainer.trial_fork, which reads it when the first forked trial starts it)."""
+    threads, variable = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
     torch.set_num_threads(int(THREADS))
+    os.environ["OMP_NUM_THREADS"] = THREADS
     yield
     torch.set_num_threads(threads)
+    if variable is None:
+        os.environ.pop("OMP_NUM_THREADS")
+    else:
+        os.environ["OMP_NUM_THREADS"] = variable
 
 
 def cli_environment(env: dict | None = None) -> dict:
@@ -93,6 +101,24 @@ def run_cli(
         timeout=timeout,
         preexec_fn=limit_file_size if file_size_limit else None,
     )
+
+
+def ended(pid: int) -> bool:
+    """Gone, or a zombie that no longer runs (its reaper may be slow, e.g. in a container)."""
+    try:
+        return "\nState:\tZ" in Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return True
+
+
+def ends_soon(pid: int) -> bool:
+    """Whether the process has ended within 10 s (a killed process may linger a moment before
+    it is reaped; only a guard: a process that was killed ends long before)."""
+    for _ in range(100):
+        if ended(pid):
+            return True
+        time.sleep(0.1)
+    return False
 
 
 def read_metrics(run_dir: Path) -> dict:

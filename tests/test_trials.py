@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from conftest import SMALL, cli_environment
+from conftest import SMALL, cli_environment, ends_soon
 
 from trainer import trials
 
@@ -124,14 +123,6 @@ def test_a_real_trial_of_the_trainer(tmp_path):
     assert numbers["test_acc"] == trial.metrics["test_acc"]
 
 
-def ended(pid: int) -> bool:
-    """Gone, or a zombie that no longer runs (its reaper may be slow, e.g. in a container)."""
-    try:
-        return "\nState:\tZ" in Path(f"/proc/{pid}/status").read_text()
-    except FileNotFoundError:
-        return True
-
-
 def test_a_trial_at_its_time_limit_takes_its_whole_process_group_along(tmp_path):
     # The shell starts a child (as the trainer starts DDP ranks and loader workers) and both
     # outlive the limit; the shell's output up to the limit is kept.
@@ -141,12 +132,7 @@ def test_a_trial_at_its_time_limit_takes_its_whole_process_group_along(tmp_path)
     assert trial.failure == "timed out after 3 s"
     child = int(trial.stdout.split()[1])
     assert (tmp_path / "run" / "output.log").read_text().startswith(f"child {child}")
-    for _ in range(100):  # a killed process may linger a moment before it is reaped
-        if ended(child):
-            break
-        time.sleep(0.1)
-    else:
-        pytest.fail(f"the trial's child {child} still runs after the trial's time limit")
+    assert ends_soon(child), f"the trial's child {child} still runs after the trial's time limit"
 
 
 def test_a_timed_out_trial_ends_its_series(capsys):

@@ -4,6 +4,7 @@ on the CPU with a tiny budget: its preset composes and says what its table says.
 from __future__ import annotations
 
 import csv
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -258,13 +259,15 @@ def test_a_resumed_tune_reuses_only_finished_trials_of_this_machine(tmp_path):
         {"trial": 2, **baseline, "machine": "here", "status": "timed out after 30 s"},
         {"trial": 3, **baseline, "machine": "another host", "img_per_s": 150},
         {"trial": 4, **baseline},  # from before trials said their machine
+        {"trial": 5, **baseline, "machine": "here", "trial_start": "forked", "img_per_s": 90},
     ]
     resumed = MadeUpBench([], tmp_path, 3, budget_s=60, min_gain=0.02, earlier=earlier, machine="here")
     setting = resumed.measure("baseline", "perf=default", [])
-    # one run reused, two new; the stopped one is not a failure, the other machines' are not used
+    # one run reused, two new; the stopped one is not a failure; the other machines' and the
+    # one forked from a preloaded process (this tune starts fresh ones) are not used
     assert setting.summary["runs"] == 3 and setting.summary["status"] == "completed"
-    assert setting.summary["max_img_per_s"] == 100 and resumed.elsewhere == 2
-    assert resumed.trials == 4  # new trials are numbered after all the earlier ones
+    assert setting.summary["min_img_per_s"] == setting.summary["max_img_per_s"] == 100
+    assert resumed.elsewhere == 3 and resumed.trials == 5  # new trials are numbered after all of them
 
 
 def test_toggles_a_device_cannot_use_are_listed_with_the_reason():
@@ -276,6 +279,17 @@ def test_toggles_a_device_cannot_use_are_listed_with_the_reason():
 
 
 TINY = ["model=cnn", "data=synthetic", "data.train_size=128", "data.test_size=64", "batch_size=32"]
+
+
+def test_a_bench_of_forked_trials_measures_and_says_how_each_started(tmp_path):
+    bench = Bench([*TINY, "epochs=2", "eval_every=2"], tmp_path, 1, budget_s=600, min_gain=0.02, forked=True)
+    setting = bench.measure("baseline", "perf=default", [])
+
+    assert setting.summary["runs"] == 1 and setting.summary["status"] == "completed"
+    (record,) = [json.loads(line) for line in (tmp_path / "trials.jsonl").read_text().splitlines()]
+    assert record["trial_start"] == "forked" and record["img_per_s"] == setting.img_per_s
+    assert record["process_s"] > 0
+    assert "run folder:" in (tmp_path / "trials" / "001" / "output.log").read_text()
 
 
 def test_the_tuner_writes_a_preset_that_composes_and_matches_its_table(tmp_path):

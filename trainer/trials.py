@@ -7,12 +7,12 @@ allocations, autotuning, the process's start-up); repeats give a median and a mi
 results can be appended as JSON lines as they come, so a stopped series keeps what finished.
 
 Owns: the warm-up rule (`timed_epochs`, `includes_warm_up`; the sweep report reads it too),
-starting a trial and reading back what it left (`run_trial`), the numbers of one trial
-(`steady_numbers`) and of its repeats (`median_and_spread`), and the cells every trial table
-shares (`fmt`, `spread`, `environment`, `machine`). Must not touch: what to run (row lists,
-peers and their tables live in scripts/, the choice of settings in the tuner) or the training
-itself; torch is imported only by `gpu_name()` and its callers, so the report can use this
-module without it.
+starting a trial and reading back what it left (`run_trial`, `fresh_trial`, `trial_left`;
+trainer.trial_fork forks one instead), the numbers of one trial (`steady_numbers`) and of its
+repeats (`median_and_spread`), and the cells every trial table shares (`fmt`, `spread`,
+`environment`, `machine`). Must not touch: what to run (row lists, peers and their tables live
+in scripts/, the choice of settings in the tuner) or the training itself; torch is imported
+only by `gpu_name()` and its callers, so the report can use this module without it.
 """
 
 from __future__ import annotations
@@ -51,6 +51,11 @@ def includes_warm_up(metrics: dict) -> bool:
 def trainer_command(overrides: list[str], run_dir: Path) -> list[str]:
     """`python -m trainer OVERRIDES` writing into run_dir."""
     return [sys.executable, "-m", "trainer", *overrides, f"hydra.run.dir={run_dir}"]
+
+
+def fresh_trial(overrides: list[str], run_dir: Path, timeout_s: float | None = None) -> Trial:
+    """`python -m trainer OVERRIDES` in a new interpreter, writing into run_dir."""
+    return run_trial(trainer_command(overrides, run_dir), run_dir, timeout_s)
 
 
 @dataclass
@@ -103,7 +108,14 @@ def run_trial(
     except BaseException:
         stop_group(process)
         raise
-    process_s = time.perf_counter() - started
+    return trial_left(run_dir, returncode, stdout, stderr, time.perf_counter() - started, timeout_s)
+
+
+def trial_left(
+    run_dir: Path, returncode: int | None, stdout: str, stderr: str, process_s: float, timeout_s: float | None
+) -> Trial:
+    """What a trial process left: its output kept in run_dir/output.log, its metrics.json read
+    (none when it was stopped at its limit)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "output.log").write_text(stdout + stderr)
     metrics_file = run_dir / METRICS

@@ -18,6 +18,8 @@ measured), tune.md, tune.csv, tune.png and trials.jsonl (every trial as it ends)
 cannot act on the device are listed with the reason; trials the --budget-min leaves no room for
 are listed as not measured. `--resume` continues a tune in --out that its budget or a stop cut
 short: the trials it finished on this machine are used first, then the rest are run.
+`--trial-start forked` forks each trial from one process that imported the trainer once
+(trainer/trial_fork.py) instead of starting a new interpreter: seconds less a trial.
 """
 
 from __future__ import annotations
@@ -70,6 +72,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--resume", action="store_true", help="continue the stopped tune in --out: its trials are used first"
+    )
+    parser.add_argument(
+        "--trial-start",
+        choices=("fresh", "forked"),
+        default="fresh",
+        help="fresh: each trial a new `python -m trainer` (default); forked: each forked from one process "
+        "that imported the trainer once, seconds less a trial (trainer/trial_fork.py)",
     )
     parser.add_argument("--toggles", help=f"comma-separated subset of: {', '.join(NAMES)} (default: all)")
     parser.add_argument(
@@ -171,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     split = split_for(candidates, device, cfg.model.target is not None, fixed_keys)
     header = [
         f"{environment()}; {args.epochs} epochs a trial (images/s over epochs 2-{args.epochs}), "
-        f"up to {args.repeats} trial(s) a setting, noise at least {100 * args.min_gain:.0f}%",
+        f"up to {args.repeats} trial(s) a setting ({args.trial_start} processes), "
+        f"noise at least {100 * args.min_gain:.0f}%",
         f"run: {' '.join(args.overrides) or '(no overrides)'} on perf=default",
     ]
     base = [*args.overrides, f"epochs={args.epochs}", f"eval_every={args.epochs}", "eval.tta=none"]
@@ -180,13 +190,17 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         print(f"tune: error: {error}", file=sys.stderr)
         return 2
-    bench = Bench(base, out, args.repeats, 60 * args.budget_min, args.min_gain, earlier, machine())
+    bench = Bench(
+        base, out, args.repeats, 60 * args.budget_min, args.min_gain, earlier, machine(),
+        forked=args.trial_start == "forked",
+    )  # fmt: skip
     if earlier:
         print(f"tune: resuming: {len(bench.earlier)} earlier trial(s) in {out} are used first", flush=True)
     if bench.elsewhere:
         print(
-            f"tune: {bench.elsewhere} earlier trial(s) ran on another machine (or do not say which) and are "
-            "not used: hosts of one GPU kind differ by up to 1.5x; their settings run again here",
+            f"tune: {bench.elsewhere} earlier trial(s) ran on another machine or with another --trial-start "
+            "(or do not say) and are not used: hosts of one GPU kind differ by up to 1.5x; their settings "
+            "run again here",
             flush=True,
         )
     print(f"tune: {len(split.tryable)} toggle(s) to try on {device}, writing to {out}", flush=True)

@@ -27,14 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainer.report.jobs import parse_override
-from trainer.trials import (
-    TIMED_OUT,
-    append_jsonl,
-    median_and_spread,
-    run_trial,
-    steady_numbers,
-    trainer_command,
-)
+from trainer.trial_fork import forked_trial
+from trainer.trials import TIMED_OUT, append_jsonl, fresh_trial, median_and_spread, steady_numbers
 
 # A first run this many times the noise away from its reference decides without repeats
 CLEAR = 4.0
@@ -86,19 +80,29 @@ class Bench:
         min_gain: float,
         earlier: list[dict] | None = None,
         machine: str = "",
+        forked: bool = False,
     ):
         self.base, self.out, self.repeats = base, out, repeats
         self.budget_s, self.min_gain, self.machine = budget_s, min_gain, machine
+        # how each trial's process starts: a new interpreter, or forked from one that has imported
+        # the trainer (trainer.trial_fork)
+        self.trial_start = "forked" if forked else "fresh"
+        self.start = forked_trial if forked else fresh_trial
         self.started = time.monotonic()
         self.durations: list[float] = []
         # --resume: the trials.jsonl records of a stopped tune of this run, used before any new
-        # trial, when they ran on this machine (another host's speeds do not compare with ours).
+        # trial, when they ran on this machine (another host's speeds do not compare with ours) and
+        # started the same way.
         # A trial stopped at its time limit was stopped by that tune's budget (a trial's limit is
         # what was left of it): it says nothing about its setting, so it runs again.
         earlier = list(earlier or [])
         self.trials = max((record["trial"] for record in earlier), default=0)
-        here = [record for record in earlier if record.get("machine") == machine]
-        self.elsewhere = len(earlier) - len(here)  # set aside: from another machine, or not saying
+        here = [
+            record
+            for record in earlier
+            if record.get("machine") == machine and record.get("trial_start", "fresh") == self.trial_start
+        ]
+        self.elsewhere = len(earlier) - len(here)  # set aside: another machine or start, or not saying
         self.earlier = [record for record in here if not record["status"].startswith(TIMED_OUT)]
 
     def reused(self, overrides: list[str]) -> list[dict]:
@@ -106,7 +110,7 @@ class Bench:
         found = [record for record in self.earlier if record["overrides"] == overrides][: self.repeats]
         for record in found:
             self.earlier.remove(record)
-        skip = ("trial", "setting", "overrides", "base", "machine")
+        skip = ("trial", "setting", "overrides", "base", "machine", "trial_start", "process_s")
         return [{key: value for key, value in record.items() if key not in skip} for record in found]
 
     def affordable(self) -> bool:
@@ -190,14 +194,13 @@ class Bench:
         run_dir = self.out / "trials" / f"{self.trials:03d}"
         remaining = max(1.0, self.budget_s - (time.monotonic() - self.started))
         started = time.monotonic()
-        trial = run_trial(
-            trainer_command(on_top(self.base, overrides), run_dir), run_dir, timeout_s=remaining
-        )
+        trial = self.start(on_top(self.base, overrides), run_dir, remaining)
         self.durations.append(time.monotonic() - started)
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # weights of a timing run: not kept
         numbers = steady_numbers(trial)
         record = {"trial": self.trials, "setting": label, "overrides": overrides, "base": self.base}
-        append_jsonl(self.out / "trials.jsonl", {**record, "machine": self.machine, **numbers})
+        record |= {"machine": self.machine, "trial_start": self.trial_start}
+        append_jsonl(self.out / "trials.jsonl", {**record, "process_s": round(trial.process_s, 1), **numbers})
         return numbers
 
     def compare(self, setting: Setting, reference: Setting) -> bool:

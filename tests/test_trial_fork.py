@@ -1,0 +1,92 @@
+"""trainer.trial_fork: a trial forked from a process that imported the trainer once trains what a
+fresh `python -m trainer` trains, says why it failed in the trainer's own line, and a trial at
+its time limit takes everything it started along."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import HANG_GUARD_S, SMALL, cli_environment, ended, ends_soon
+
+from trainer import trial_fork, trials
+
+DETERMINISTIC = [*SMALL, "data.train_size=96", "epochs=2", "eval_every=2", "deterministic=true"]
+
+
+def losses(trial: trials.Trial) -> list[float]:
+    return [epoch["train_loss"] for epoch in trial.metrics["history"]]
+
+
+def test_a_forked_trial_trains_what_a_fresh_one_trains(tmp_path):
+    forked = trial_fork.forked_trial(DETERMINISTIC, tmp_path / "forked")
+    fresh = trials.run_trial(
+        trials.trainer_command(DETERMINISTIC, tmp_path / "fresh"), tmp_path / "fresh", env=cli_environment()
+    )
+
+    assert forked.failure is None, forked.stderr[-2000:]
+    assert fresh.failure is None, fresh.stderr[-2000:]
+    assert losses(forked) == losses(fresh) and forked.metrics["test_acc"] == fresh.metrics["test_acc"]
+    assert forked.metrics["status"] == "completed" and len(forked.metrics["history"]) == 2
+    log = (tmp_path / "forked" / "output.log").read_text()
+    assert "run folder:" in log and log == forked.stdout + forked.stderr
+    assert (tmp_path / "forked" / "__main__.log").is_file()  # Hydra's job log, as in a fresh run
+    assert trials.steady_numbers(forked)["img_per_s"] == forked.metrics["history"][1]["img_per_s"]
+
+
+def test_a_forked_trial_that_fails_says_why_in_the_trainers_line(tmp_path):
+    trial = trial_fork.forked_trial(["modle=cnn"], tmp_path / "run")
+
+    assert trial.returncode == 2 and trial.metrics == {}
+    assert trial.failure.startswith("failed: trainer: error: unknown config key 'modle'. Did you mean")
+
+
+def test_a_forked_trial_at_its_time_limit_is_stopped_and_keeps_its_output(tmp_path):
+    trial = trial_fork.forked_trial([*SMALL, "epochs=10000"], tmp_path / "run", timeout_s=10)
+
+    assert trial.failure == "timed out after 10 s" and trial.metrics == {}
+    assert (tmp_path / "run" / "output.log").read_text() == trial.stdout + trial.stderr
+
+
+def leave_a_process_behind(pid_file: str) -> None:
+    """A trial's first line, then a process it starts and does not wait for (as inductor's
+    compile workers or loader workers outlive a trial that ends without its teardown)."""
+    os.setsid()
+    left = subprocess.Popen(["sleep", "600"])
+    Path(pid_file).write_text(str(left.pid))
+
+
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+def test_what_a_trial_leaves_running_is_stopped_with_it(tmp_path):
+    pid_file = tmp_path / "left.pid"
+    trial = multiprocessing.get_context("fork").Process(target=leave_a_process_behind, args=(str(pid_file),))
+    trial.start()
+    trial.join(HANG_GUARD_S)
+    left = int(pid_file.read_text())
+    assert trial.exitcode == 0 and not ended(left)
+
+    trial_fork.stop_group(trial)
+    assert ends_soon(left), f"process {left}, which the trial started, still runs after the trial was stopped"
+
+
+def test_the_cuda_check_reads_the_driver_library_from_the_process_map():
+    mapped = "7f00-7f01 r-xp 0 08:01 42 /usr/lib/x86_64-linux-gnu/libcuda.so.580.159.04\n"
+    assert trial_fork.cuda_driver_loaded(mapped)
+    assert not trial_fork.cuda_driver_loaded("7f00-7f01 r-xp 0 08:01 42 /opt/libcudart.so.13\n")
+
+
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+def test_a_trial_forked_after_cuda_started_refuses_in_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(trial_fork, "cuda_driver_loaded", lambda maps=None: True)
+    child = multiprocessing.get_context("fork").Process(
+        target=trial_fork.trial_process, args=(SMALL, str(tmp_path))
+    )
+    with capsys.disabled():  # the child writes to file descriptor 2, as a forkserver's child does
+        child.start()
+        child.join(60)
+
+    assert child.exitcode == 1
+    assert (tmp_path / "stderr").read_text() == trial_fork.NO_CUDA_AFTER_FORK + "\n"

@@ -1,0 +1,114 @@
+"""Trials forked from one process that has imported the trainer once.
+
+A fresh `python -m trainer` trial pays its start-up and teardown every time: on one H200 host
+(outputs/readme/trial_overhead_h200_2026-11-25.md), 11.5 s of imports and set-up before the
+first step and 5 s of interpreter teardown after metrics.json, around 1.2 s of training. Here
+multiprocessing's forkserver imports Hydra, torch and the trainer once, and each trial is a
+process forked from it. That process has never touched CUDA, compiled a graph or run a kernel,
+so a trial still starts with its own CUDA context, compiled graphs, cuDNN plans and allocator,
+as a fresh one does; it ends as multiprocessing ends a child (its threads joined, then
+os._exit: no atexit handlers, no teardown of the interpreter), and whatever it left running
+(inductor's compile workers, loader workers, DDP ranks) is killed with its process group.
+
+Only the modules every run imports are preloaded (the trainer's CLI and its Trainer, which bring
+Hydra, torch, torch._dynamo and TensorBoard's writer): a module a fresh run of the setting would
+not import (inductor without compile, torchvision for the CNNs) would give the trial more
+objects for Python's garbage collector to walk than the run it stands for.
+
+Owns: the forkserver and its preload, one forked trial (`forked_trial`) and the check that the
+preloaded modules left CUDA untouched. Must not touch: what a trial's numbers mean (trainer.trials).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from trainer.trials import Trial, trial_left
+
+PRELOAD = ("trainer.__main__", "trainer.trainer")
+NO_CUDA_AFTER_FORK = (
+    "forked trial: CUDA was started in the process the trial was forked from, and a forked "
+    "process cannot use it: run the trials fresh (--trial-start fresh)"
+)
+
+_context: multiprocessing.context.ForkServerContext | None = None
+
+
+def forkserver() -> multiprocessing.context.ForkServerContext:
+    """multiprocessing's forkserver context, its server preloading PRELOAD when it starts (on the
+    first trial; it lives until this process ends)."""
+    global _context
+    if _context is None:
+        _context = multiprocessing.get_context("forkserver")
+        _context.set_forkserver_preload(list(PRELOAD))
+    return _context
+
+
+def cuda_driver_loaded(maps: str | None = None) -> bool:
+    """Whether the CUDA driver library is mapped into this process (/proc/self/maps): the runtime
+    loads it when it starts CUDA, and a process forked after that cannot use CUDA."""
+    if maps is None:
+        try:
+            maps = Path("/proc/self/maps").read_text()
+        except OSError:
+            return False
+    return "libcuda.so" in maps
+
+
+def trial_process(overrides: list[str], output_dir: str) -> None:
+    """The forked trial: `python -m trainer OVERRIDES` as its main, its stdout and stderr into
+    output_dir, in a process group of its own."""
+    os.setsid()  # a trial stopped at its limit is stopped with everything it started
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        handle = os.open(os.path.join(output_dir, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(handle, fd)
+        os.close(handle)
+    if cuda_driver_loaded():
+        print(NO_CUDA_AFTER_FORK, file=sys.stderr)
+        sys.exit(1)
+    from trainer import __main__ as cli
+
+    sys.argv = [cli.__file__, *overrides]  # as `python -m trainer` sets it
+    cli.main()
+
+
+def stop_group(process: multiprocessing.process.BaseProcess) -> None:
+    """SIGKILL to the trial's process group (it leads one from its first line), or to the trial
+    alone if it has not made its group yet."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        with contextlib.suppress(ProcessLookupError):
+            if process.exitcode is None:
+                process.kill()
+
+
+def forked_trial(overrides: list[str], run_dir: Path, timeout_s: float | None = None) -> Trial:
+    """One `python -m trainer OVERRIDES hydra.run.dir=run_dir`, forked from the preloaded server;
+    what it printed is kept in run_dir/output.log, as trainer.trials.run_trial keeps it."""
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="trial-") as output_dir:
+        process = forkserver().Process(
+            target=trial_process, args=([*overrides, f"hydra.run.dir={run_dir}"], output_dir)
+        )
+        process.start()
+        try:
+            process.join(timeout_s)
+            timed_out = process.exitcode is None
+        finally:
+            stop_group(process)  # at the limit the trial itself; always what it left running
+            process.join()
+        output = Path(output_dir)
+        stdout, stderr = (
+            (output / name).read_text(errors="replace") if (output / name).is_file() else ""
+            for name in ("stdout", "stderr")
+        )
+    returncode = None if timed_out else process.exitcode
+    return trial_left(run_dir, returncode, stdout, stderr, time.perf_counter() - started, timeout_s)
