@@ -72,6 +72,22 @@ def test_what_a_trial_leaves_running_is_stopped_with_it(tmp_path):
     assert ends_soon(left), f"process {left}, which the trial started, still runs after the trial was stopped"
 
 
+def test_a_trials_exit_code_is_the_one_the_interpreter_would_give(capsys):
+    def stops(code):
+        def main():
+            raise SystemExit(code)
+
+        return main
+
+    def crashes():
+        raise ValueError("broken")
+
+    assert [trial_fork.exit_code_of(main) for main in (lambda: None, stops(None), stops(2))] == [0, 0, 2]
+    assert trial_fork.exit_code_of(stops("a message")) == 1 and trial_fork.exit_code_of(crashes) == 1
+    stderr = capsys.readouterr().err
+    assert stderr.startswith("a message\nTraceback") and stderr.endswith("ValueError: broken\n")
+
+
 def test_the_cuda_check_reads_the_driver_library_from_the_process_map():
     mapped = "7f00-7f01 r-xp 0 08:01 42 /usr/lib/x86_64-linux-gnu/libcuda.so.580.159.04\n"
     assert trial_fork.cuda_driver_loaded(mapped)

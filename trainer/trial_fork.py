@@ -6,14 +6,16 @@ first step and 5 s of interpreter teardown after metrics.json, around 1.2 s of t
 multiprocessing's forkserver imports Hydra, torch and the trainer once, and each trial is a
 process forked from it. That process has never touched CUDA, compiled a graph or run a kernel,
 so a trial still starts with its own CUDA context, compiled graphs, cuDNN plans and allocator,
-as a fresh one does; it ends as multiprocessing ends a child (its threads joined, then
-os._exit: no atexit handlers, no teardown of the interpreter), and whatever it left running
-(inductor's compile workers, loader workers, DDP ranks) is killed with its process group.
+as a fresh one does. Once the trainer's main has returned, with everything the run keeps
+written, the trial ends with os._exit: no threads joined, no atexit handlers, no teardown of
+the interpreter; whatever it left running (inductor's compile workers, loader workers, DDP
+ranks) is killed with its process group.
 
-Only the modules every run imports are preloaded (the trainer's CLI and its Trainer, which bring
-Hydra, torch, torch._dynamo and TensorBoard's writer): a module a fresh run of the setting would
-not import (inductor without compile, torchvision for the CNNs) would give the trial more
-objects for Python's garbage collector to walk than the run it stands for.
+Only the modules every run imports are preloaded: the trainer's CLI and its Trainer (Hydra,
+torch), torch._dynamo (torch.optim loads it when it makes an optimizer) and TensorBoard's
+writer. A module a fresh run of the setting would not import (inductor without compile,
+torchvision for the CNNs) would give the trial more objects for Python's garbage collector to
+walk than the run it stands for.
 
 Owns: the forkserver and its preload, one forked trial (`forked_trial`) and the check that the
 preloaded modules left CUDA untouched. Must not touch: what a trial's numbers mean (trainer.trials).
@@ -22,17 +24,20 @@ preloaded modules left CUDA untouched. Must not touch: what a trial's numbers me
 from __future__ import annotations
 
 import contextlib
+import logging
 import multiprocessing
 import os
 import signal
 import sys
 import tempfile
 import time
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 from trainer.trials import Trial, trial_left
 
-PRELOAD = ("trainer.__main__", "trainer.trainer")
+PRELOAD = ("trainer.__main__", "trainer.trainer", "torch._dynamo", "torch.utils.tensorboard")
 NO_CUDA_AFTER_FORK = (
     "forked trial: CUDA was started in the process the trial was forked from, and a forked "
     "process cannot use it: run the trials fresh (--trial-start fresh)"
@@ -76,7 +81,29 @@ def trial_process(overrides: list[str], output_dir: str) -> None:
     from trainer import __main__ as cli
 
     sys.argv = [cli.__file__, *overrides]  # as `python -m trainer` sets it
-    cli.main()
+    code = exit_code_of(cli.main)
+    # Everything the run keeps is written and closed by now (metrics.json, checkpoints and
+    # TensorBoard's files; the log flushes every line); os._exit skips the rest of the exit.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def exit_code_of(main: Callable[[], object]) -> int:
+    """main()'s exit code as the interpreter makes it: SystemExit's code (a message goes to
+    stderr, and gives 1), or 1 after an uncaught exception, whose traceback goes to stderr."""
+    try:
+        main()
+    except SystemExit as stop:
+        if stop.code is None or isinstance(stop.code, int):
+            return stop.code or 0
+        print(stop.code, file=sys.stderr)
+        return 1
+    except BaseException:
+        traceback.print_exc()
+        return 1
+    return 0
 
 
 def stop_group(process: multiprocessing.process.BaseProcess) -> None:
