@@ -10,7 +10,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import HANG_GUARD_S, SMALL, cli_environment, ended, ends_soon
+from conftest import HANG_GUARD_S, REPO, SMALL, cli_environment, ended, ends_soon
 
 from trainer import trial_fork, trials
 
@@ -70,6 +70,33 @@ def test_what_a_trial_leaves_running_is_stopped_with_it(tmp_path):
 
     trial_fork.stop_group(trial)
     assert ends_soon(left), f"process {left}, which the trial started, still runs after the trial was stopped"
+
+
+# A model.target whose builder writes down the state a library would see inside the trial.
+PROBE = """
+import multiprocessing, os, sys, torch
+def probe(num_classes):
+    with open(os.environ["PROBE_OUT"], "a") as out:
+        out.write(f"{multiprocessing.get_start_method()} {sys.stdout.line_buffering}\\n")
+    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 32 * 32, num_classes))
+"""
+
+
+def test_inside_a_forked_trial_a_library_finds_what_a_fresh_process_has(tmp_path, monkeypatch):
+    (tmp_path / "trial_probe.py").write_text(PROBE)
+    monkeypatch.syspath_prepend(str(tmp_path))  # the forked trial takes this process's sys.path
+    monkeypatch.setenv("PROBE_OUT", str(tmp_path / "forked.txt"))
+    probe = [*SMALL, "model.target=trial_probe:probe", "data.train_size=32", "max_steps=1"]
+    forked = trial_fork.forked_trial(probe, tmp_path / "forked")
+    fresh_run = tmp_path / "fresh"
+    environment = {"PYTHONPATH": f"{tmp_path}:{REPO}", "PROBE_OUT": str(tmp_path / "fresh.txt")}
+    fresh = trials.run_trial(
+        trials.trainer_command(probe, fresh_run), fresh_run, env=cli_environment(environment)
+    )
+
+    assert forked.failure is None and fresh.failure is None, forked.stderr[-2000:] + fresh.stderr[-2000:]
+    seen = (tmp_path / "forked.txt").read_text().splitlines()
+    assert seen == (tmp_path / "fresh.txt").read_text().splitlines() and seen[0] == "fork False"
 
 
 def test_a_trials_exit_code_is_the_one_the_interpreter_would_give(capsys):

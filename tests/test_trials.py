@@ -5,6 +5,8 @@ results appended as they come."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -133,6 +135,21 @@ def test_a_trial_at_its_time_limit_takes_its_whole_process_group_along(tmp_path)
     child = int(trial.stdout.split()[1])
     assert (tmp_path / "run" / "output.log").read_text().startswith(f"child {child}")
     assert ends_soon(child), f"the trial's child {child} still runs after the trial's time limit"
+
+
+def test_stopping_a_trial_stops_the_processes_it_moved_to_groups_of_their_own():
+    # As DataLoader workers do (trainer.perf.inputs), the shell's child leaves the trial's
+    # process group; killing the group alone would not reach it.
+    trial = subprocess.Popen(
+        ["sh", "-c", "setsid sh -c 'echo $$; exec sleep 600' & sleep 600"], stdout=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    child = int(trial.stdout.readline())
+    assert os.getpgid(child) != trial.pid
+
+    trials.kill_tree(trial.pid)
+    trial.wait()
+    assert ends_soon(child), f"process {child}, in a group of its own under the trial, still runs"
 
 
 def test_a_timed_out_trial_ends_its_series(capsys):

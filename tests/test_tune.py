@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import csv
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
-from conftest import HANG_GUARD_S
+from conftest import HANG_GUARD_S, ends_soon
 
 from trainer.tune.bench import Bench
 from trainer.tune.candidates import CANDIDATES, split_for
@@ -331,6 +333,32 @@ def test_the_tuner_writes_a_preset_that_composes_and_matches_its_table(tmp_path)
     assert (out / "trials.jsonl").read_text() == trials and (
         out / "perf" / "tuned.yaml"
     ).read_text() == preset
+
+
+def test_a_tune_stopped_by_sigterm_keeps_its_trials_and_leaves_nothing_running(tmp_path):
+    out = tmp_path / "tuned"
+    command = [sys.executable, "-m", "trainer.tune", *TINY, "--out", str(out), "--epochs", "2"]
+    tune = subprocess.Popen(
+        [*command, "--trial-start", "forked", "--repeats", "3"], stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    waited = 0.0
+    while not (out / "trials.jsonl").is_file() and tune.poll() is None and waited < HANG_GUARD_S:
+        time.sleep(0.2)
+        waited += 0.2
+    tune.send_signal(signal.SIGTERM)  # to the tuner alone, as `kill PID` sends it
+    _, stderr = tune.communicate(timeout=HANG_GUARD_S)
+
+    assert tune.returncode == 143, stderr
+    assert stderr.splitlines()[-1] == (
+        f"tune: stopped: the trials that finished are in {out / 'trials.jsonl'}; the same command with "
+        "--resume continues"
+    )
+    finished = [json.loads(line) for line in (out / "trials.jsonl").read_text().splitlines()]
+    assert finished and all(record["status"] == "completed" for record in finished)
+    for lock in out.glob("trials/*/run.lock"):  # the trial in flight, killed: its lock names it
+        pid = json.loads(lock.read_text())["pid"]
+        assert ends_soon(pid), f"the trial in flight ({pid}) still runs after the tuner stopped"
 
 
 @pytest.mark.parametrize(

@@ -26,8 +26,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing
+import multiprocessing.forkserver
 import os
-import signal
 import sys
 import tempfile
 import time
@@ -35,7 +35,7 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-from trainer.trials import Trial, trial_left
+from trainer.trials import Trial, kill_tree, trial_left
 
 PRELOAD = ("trainer.__main__", "trainer.trainer", "torch._dynamo", "torch.utils.tensorboard")
 NO_CUDA_AFTER_FORK = (
@@ -67,14 +67,27 @@ def cuda_driver_loaded(maps: str | None = None) -> bool:
     return "libcuda.so" in maps
 
 
-def trial_process(overrides: list[str], output_dir: str) -> None:
+def trial_process(overrides: list[str], output_dir: str, environment: dict[str, str] | None = None) -> None:
     """The forked trial: `python -m trainer OVERRIDES` as its main, its stdout and stderr into
-    output_dir, in a process group of its own."""
+    output_dir, in a process group of its own, with the caller's environment (the forkserver
+    has the one it started with; what a module read from it when it was imported stays)."""
     os.setsid()  # a trial stopped at its limit is stopped with everything it started
+    if environment is not None:
+        os.environ.clear()
+        os.environ.update(environment)
     for fd, name in ((1, "stdout"), (2, "stderr")):
-        handle = os.open(os.path.join(output_dir, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            handle = os.open(os.path.join(output_dir, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        except OSError:  # the caller stopped while this trial started and took its folder away
+            os._exit(1)
         os.dup2(handle, fd)
         os.close(handle)
+    # As in a fresh process writing to a pipe: stdout not line-buffered (the forkserver's may
+    # have been a terminal), and multiprocessing's default start method, where a child of the
+    # forkserver has the forkserver's (a library's Pool or lock would otherwise go through a
+    # server that preloads nothing and registers its semaphores with the tuner's tracker).
+    sys.stdout.reconfigure(line_buffering=False)
+    multiprocessing.set_start_method(None, force=True)
     if cuda_driver_loaded():
         print(NO_CUDA_AFTER_FORK, file=sys.stderr)
         sys.exit(1)
@@ -107,14 +120,19 @@ def exit_code_of(main: Callable[[], object]) -> int:
 
 
 def stop_group(process: multiprocessing.process.BaseProcess) -> None:
-    """SIGKILL to the trial's process group (it leads one from its first line), or to the trial
-    alone if it has not made its group yet."""
-    try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except ProcessLookupError:
+    """SIGKILL to the trial's process group (it leads one from its first line) and everything
+    under it (trainer.trials.kill_tree), or to the trial alone if it has not made its group yet."""
+    kill_tree(process.pid)
+    if process.exitcode is None:  # still in the forkserver's group, or just killed and not yet reaped
         with contextlib.suppress(ProcessLookupError):
-            if process.exitcode is None:
-                process.kill()
+            process.kill()
+
+
+def start_forkserver() -> None:
+    """Starts the forkserver now (its imports take seconds), so that the first trial's time is a
+    trial's like the others'."""
+    forkserver()
+    multiprocessing.forkserver.ensure_running()
 
 
 def forked_trial(overrides: list[str], run_dir: Path, timeout_s: float | None = None) -> Trial:
@@ -122,16 +140,16 @@ def forked_trial(overrides: list[str], run_dir: Path, timeout_s: float | None = 
     what it printed is kept in run_dir/output.log, as trainer.trials.run_trial keeps it."""
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="trial-") as output_dir:
-        process = forkserver().Process(
-            target=trial_process, args=([*overrides, f"hydra.run.dir={run_dir}"], output_dir)
-        )
-        process.start()
+        arguments = ([*overrides, f"hydra.run.dir={run_dir}"], output_dir, dict(os.environ))
+        process = forkserver().Process(target=trial_process, args=arguments)
         try:
+            process.start()
             process.join(timeout_s)
             timed_out = process.exitcode is None
         finally:
-            stop_group(process)  # at the limit the trial itself; always what it left running
-            process.join()
+            if process.pid is not None:  # a stop during start() can leave a trial with no pid known
+                stop_group(process)  # at the limit the trial itself; always what it left running
+                process.join()
         output = Path(output_dir)
         stdout, stderr = (
             (output / name).read_text(errors="replace") if (output / name).is_file() else ""

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from datetime import datetime
 from pathlib import Path
@@ -150,6 +151,14 @@ def earlier_trials(out: Path, base: list[str]) -> list[dict]:
     return records
 
 
+class Stopped(BaseException):
+    """SIGTERM (a scheduler, `kill`), raised where the tuner waits for a trial, as Ctrl-C is."""
+
+
+def stop_on_sigterm(_signal: int, _frame) -> None:
+    raise Stopped
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     register_schema()
@@ -204,11 +213,21 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     print(f"tune: {len(split.tryable)} toggle(s) to try on {device}, writing to {out}", flush=True)
+    signal.signal(signal.SIGTERM, stop_on_sigterm)
     try:
         outcome = search(bench, split.tryable, sizes)
     except TuneError as error:
         print(f"tune: error: {error}", file=sys.stderr)
         return 1
+    except (KeyboardInterrupt, Stopped) as stop:  # the trial in flight was killed on the way out
+        print(
+            f"tune: stopped: the trials that finished are in {out / 'trials.jsonl'}; the same command "
+            "with --resume continues",
+            file=sys.stderr,
+        )
+        return 130 if isinstance(stop, KeyboardInterrupt) else 143
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
     print(write_all(out, outcome, split.not_tried, header, args.overrides))
     print(f"tune: wrote perf/tuned.yaml, tune.md, tune.csv, tune.png to {out}", file=sys.stderr)
     return 0

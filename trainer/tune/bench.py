@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainer.report.jobs import parse_override
-from trainer.trial_fork import forked_trial
+from trainer.trial_fork import forked_trial, start_forkserver
 from trainer.trials import TIMED_OUT, append_jsonl, fresh_trial, median_and_spread, steady_numbers
 
 # A first run this many times the noise away from its reference decides without repeats
@@ -88,6 +88,8 @@ class Bench:
         # the trainer (trainer.trial_fork)
         self.trial_start = "forked" if forked else "fresh"
         self.start = forked_trial if forked else fresh_trial
+        if forked:
+            start_forkserver()  # its imports now, not in the first trial's time
         self.started = time.monotonic()
         self.durations: list[float] = []
         # --resume: the trials.jsonl records of a stopped tune of this run, used before any new
