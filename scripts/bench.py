@@ -22,8 +22,10 @@ no row inherits another's compiled graphs, cuDNN plans or allocator state):
 
 Images/s of a run is the median over its epochs after the first (warm-up: worker start,
 cuDNN autotuning, compilation); with --repeats N the row shows the median of the N runs and
-their spread (min-max). Speed-up is against the section's reference row. Writes bench.md and
-bench.csv into --out after every row, so a stopped bench keeps what it measured.
+their spread (min-max). Speed-up is against the section's reference row. With --interleave the
+rows take turns (run 1 of each, then run 2 of each, ...), so that a drift of the host falls on
+all of them alike. Writes bench.md and bench.csv into --out after every row (or round), so a
+stopped bench keeps what it measured.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import argparse
 import csv
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -44,6 +47,7 @@ from trainer.trials import (  # noqa: E402
     fmt,
     median_and_spread,
     repeat,
+    rounds,
     run_trial,
     spread,
     steady_numbers,
@@ -183,7 +187,8 @@ def run_once(row: Row, data: list[str], model: str, epochs: int, run_dir: Path, 
     return steady_numbers(trial)
 
 
-def run_row(section: str, row: Row, args, data: list[str], out: Path) -> dict:
+def row_runner(section: str, row: Row, args, data: list[str], out: Path) -> Callable[[int], dict]:
+    """The row's run number `index`, in its own folder."""
     slug = "".join(c if c.isalnum() else "-" for c in row.name).strip("-")
 
     def run(index: int) -> dict:
@@ -191,7 +196,10 @@ def run_row(section: str, row: Row, args, data: list[str], out: Path) -> dict:
             row, data, args.model, args.epochs, out / section / f"{slug}-{index}", args.row_timeout
         )
 
-    runs = repeat(run, args.repeats, f"{section} | {row.name}")
+    return run
+
+
+def row_result(section: str, row: Row, runs: list[dict]) -> dict:
     return {"section": section, "row": row.name, "settings": row.describe(), **median_and_spread(runs)}
 
 
@@ -258,6 +266,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", default=None, help="only rows whose name contains one of these (a,b,...)")
     parser.add_argument("--epochs", type=int, default=3, help="per run; the first is warm-up")
     parser.add_argument("--repeats", type=int, default=3, help="runs per row")
+    parser.add_argument(
+        "--interleave",
+        action="store_true",
+        help="run 1 of every row, then run 2 of every row, ...: a drift of the host falls on all rows alike",
+    )
     parser.add_argument("--out", type=Path, default=None, help="folder for runs, logs and tables")
     parser.add_argument("--row-timeout", type=float, default=300, help="seconds before a run is stopped")
     parser.add_argument("--tuned", type=Path, default=None, help="tuned section: the tuner's --out folder")
@@ -295,16 +308,30 @@ def main(argv: list[str] | None = None) -> int:
     header = (
         f"{args.model} on {source}, {environment()}; {args.epochs} epochs per run "
         f"(median of the last {args.epochs - 1}), {args.repeats} run(s) per row"
+        + (", the rows taking turns" if args.interleave else "")
     )
     print(header, flush=True)
     wanted = [part for part in (args.rows or "").split(",") if part]
-    rows = []
-    for section in sections:
-        for row in SECTIONS[section]:
-            if wanted and not any(part in row.name for part in wanted):
-                continue
-            rows.append(run_row(section, row, args, data, out))
-            write_tables(out, header, rows)
+    chosen = {
+        f"{section} | {row.name}": (section, row)
+        for section in sections
+        for row in SECTIONS[section]
+        if not wanted or any(part in row.name for part in wanted)
+    }
+    rows: list[dict] = []
+
+    def keep(runs: dict[str, list[dict]]) -> None:  # the tables as they stand, after every row or round
+        rows[:] = [row_result(*chosen[label], done) for label, done in runs.items() if done]
+        write_tables(out, header, rows)
+
+    runners = {label: row_runner(*key, args, data, out) for label, key in chosen.items()}
+    if args.interleave:
+        rounds(runners, args.repeats, keep)
+    else:  # row by row
+        finished: dict[str, list[dict]] = {}
+        for label, run in runners.items():
+            finished[label] = repeat(run, args.repeats, label)
+            keep(finished)
     print("\n" + (out / "bench.md").read_text())
     return 0 if all(r["status"] == "completed" for r in rows) else 1
 

@@ -100,6 +100,28 @@ def test_repeats_give_the_median_and_the_spread_and_count_failures(capsys):
     assert trials.median_of(runs, "img_per_s") == 100.0 and trials.median_of(runs, "test_acc") is None
 
 
+def test_rounds_interleave_the_settings_and_a_hang_ends_only_its_own(capsys):
+    order, kept = [], []
+
+    def setting(name: str, status: str = "completed"):
+        def run(index: int) -> dict:
+            order.append(f"{name}{index + 1}")
+            return {"status": status, "img_per_s": 100.0}
+
+        return run
+
+    runs = trials.rounds(
+        {"a": setting("a"), "b": setting("b", "timed out after 9 s"), "c": setting("c")},
+        3,
+        after_round=lambda so_far: kept.append({label: len(done) for label, done in so_far.items()}),
+    )
+
+    assert order == ["a1", "b1", "c1", "a2", "c2", "a3", "c3"]
+    assert [len(runs[label]) for label in "abc"] == [3, 1, 3]
+    assert kept == [{"a": 1, "b": 1, "c": 1}, {"a": 2, "b": 1, "c": 2}, {"a": 3, "b": 1, "c": 3}]
+    assert "  b | the other 2 run(s) skipped: run 1 timed out" in capsys.readouterr().out.splitlines()
+
+
 def test_results_are_appended_as_json_lines(tmp_path):
     path = tmp_path / "results.jsonl"
     trials.append_jsonl(path, {"row": "a", "img_per_s": 1.5})

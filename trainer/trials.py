@@ -8,9 +8,10 @@ results can be appended as JSON lines as they come, so a stopped series keeps wh
 
 Owns: the warm-up rule (`timed_epochs`, `includes_warm_up`; the sweep report reads it too),
 starting a trial and reading back what it left (`run_trial`, `fresh_trial`, `trial_left`;
-trainer.trial_fork forks one instead), the numbers of one trial (`steady_numbers`) and of its
-repeats (`median_and_spread`), and the cells every trial table shares (`fmt`, `spread`,
-`environment`, `machine`). Must not touch: what to run (row lists, peers and their tables live
+trainer.trial_fork forks one instead), repeating them (`repeat` back to back, `rounds`
+interleaved), the numbers of one trial (`steady_numbers`) and of its repeats
+(`median_and_spread`), and the cells every trial table shares (`fmt`, `spread`, `environment`,
+`machine`). Must not touch: what to run (row lists, peers and their tables live
 in scripts/, the choice of settings in the tuner) or the training itself; torch is imported
 only by `gpu_name()` and its callers, so the report can use this module without it.
 """
@@ -181,19 +182,39 @@ def steady_numbers(trial: Trial) -> dict:
 def repeat(run: Callable[[int], dict], repeats: int, label: str) -> list[dict]:
     """run(0), ..., run(repeats - 1), each trial's images/s printed as a line as it ends. A trial
     that timed out ends the series: a hang repeats, and each would cost the whole time limit."""
-    runs = []
+    return rounds({label: run}, repeats)[label]
+
+
+def rounds(
+    runs: dict[str, Callable[[int], dict]],
+    repeats: int,
+    after_round: Callable[[dict[str, list[dict]]], None] | None = None,
+) -> dict[str, list[dict]]:
+    """Run 1 of every setting, then run 2 of every setting, and so on (with one setting, its
+    repeats back to back); each trial's images/s printed as a line as it ends, after_round
+    called with every setting's runs so far. Interleaved, a drift of the host (clocks, heat,
+    neighbours) falls on every setting alike, where back-to-back repeats hand it to whichever
+    ran last. A setting whose trial timed out runs no more: a hang repeats, and each would
+    cost the whole time limit."""
+    results: dict[str, list[dict]] = {label: [] for label in runs}
     for index in range(repeats):
-        started = time.perf_counter()
-        runs.append(run(index))
-        print(
-            f"  {label} | run {index + 1}: {fmt(runs[-1].get('img_per_s'), ',.0f')} img/s "
-            f"({runs[-1]['status']}, {time.perf_counter() - started:.0f} s)",
-            flush=True,
-        )
-        if runs[-1]["status"].startswith(TIMED_OUT) and index + 1 < repeats:
-            print(f"  {label} | the other {repeats - index - 1} run(s) skipped: run {index + 1} timed out")
-            break
-    return runs
+        for label, run in runs.items():
+            done = results[label]
+            if done and done[-1]["status"].startswith(TIMED_OUT):
+                continue
+            started = time.perf_counter()
+            done.append(run(index))
+            print(
+                f"  {label} | run {index + 1}: {fmt(done[-1].get('img_per_s'), ',.0f')} img/s "
+                f"({done[-1]['status']}, {time.perf_counter() - started:.0f} s)",
+                flush=True,
+            )
+            if done[-1]["status"].startswith(TIMED_OUT) and index + 1 < repeats:
+                skipped = repeats - index - 1
+                print(f"  {label} | the other {skipped} run(s) skipped: run {index + 1} timed out")
+        if after_round is not None:
+            after_round(results)
+    return results
 
 
 def median_and_spread(runs: list[dict]) -> dict:
