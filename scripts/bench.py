@@ -203,6 +203,12 @@ def row_result(section: str, row: Row, runs: list[dict]) -> dict:
     return {"section": section, "row": row.name, "settings": row.describe(), **median_and_spread(runs)}
 
 
+def run_row(section: str, row: Row, args, data: list[str], out: Path) -> dict:
+    """The row's --repeats runs, back to back, as one table row."""
+    runs = repeat(row_runner(section, row, args, data, out), args.repeats, f"{section} | {row.name}")
+    return row_result(section, row, runs)
+
+
 def table(rows: list[dict]) -> str:
     lines = []
     for section in dict.fromkeys(r["section"] for r in rows):
