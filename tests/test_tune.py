@@ -284,7 +284,8 @@ TINY = ["model=cnn", "data=synthetic", "data.train_size=128", "data.test_size=64
 
 
 def test_a_bench_of_forked_trials_measures_and_says_how_each_started(tmp_path):
-    bench = Bench([*TINY, "epochs=2", "eval_every=2"], tmp_path, 1, budget_s=600, min_gain=0.02, forked=True)
+    base = [*TINY, "epochs=2", "eval_every=2"]
+    bench = Bench(base, tmp_path, 1, budget_s=600, min_gain=0.02, trial_start="forked")
     setting = bench.measure("baseline", "perf=default", [])
 
     assert setting.summary["runs"] == 1 and setting.summary["status"] == "completed"

@@ -103,11 +103,11 @@ def run_trial(
         stdout, stderr = process.communicate(timeout=timeout_s)
         returncode = process.returncode
     except subprocess.TimeoutExpired:
-        stop_group(process)
+        kill_tree(process.pid)  # it leads its group: start_new_session
         stdout, stderr = process.communicate()
         returncode = None
     except BaseException:
-        stop_group(process)
+        kill_tree(process.pid)  # it leads its group: start_new_session
         raise
     return trial_left(run_dir, returncode, stdout, stderr, time.perf_counter() - started, timeout_s)
 
@@ -123,11 +123,6 @@ def trial_left(
     finished = returncode is not None and metrics_file.is_file()
     metrics = json.loads(metrics_file.read_text()) if finished else {}
     return Trial(run_dir, metrics, returncode, stdout, stderr, process_s, timeout_s)
-
-
-def stop_group(process: subprocess.Popen) -> None:
-    """SIGKILL to every process in the trial's group (it leads it: start_new_session)."""
-    kill_tree(process.pid)
 
 
 def kill_tree(leader: int) -> None:

@@ -34,6 +34,7 @@ from pathlib import Path
 from trainer.cli_checks import check_composition
 from trainer.config import ConfigError, register_schema
 from trainer.report.jobs import parse_override
+from trainer.tune.bench import TRIAL_STARTS, Bench
 from trainer.tune.candidates import NAMES, pick, split_for
 
 PROG = "python -m trainer.tune"
@@ -76,7 +77,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--trial-start",
-        choices=("fresh", "forked"),
+        choices=tuple(TRIAL_STARTS),
         default="fresh",
         help="fresh: each trial a new `python -m trainer` (default); forked: each forked from one process "
         "that imported the trainer once, seconds less a trial (trainer/trial_fork.py)",
@@ -176,7 +177,6 @@ def main(argv: list[str] | None = None) -> int:
     import torch  # only once the command line has passed its checks
 
     from trainer.trials import environment, machine
-    from trainer.tune.bench import Bench
     from trainer.tune.output import write_all
     from trainer.tune.search import TuneError, search
 
@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     bench = Bench(
         base, out, args.repeats, 60 * args.budget_min, args.min_gain, earlier, machine(),
-        forked=args.trial_start == "forked",
+        trial_start=args.trial_start,
     )  # fmt: skip
     if earlier:
         print(f"tune: resuming: {len(bench.earlier)} earlier trial(s) in {out} are used first", flush=True)

@@ -30,6 +30,9 @@ from trainer.report.jobs import parse_override
 from trainer.trial_fork import forked_trial, start_forkserver
 from trainer.trials import TIMED_OUT, append_jsonl, fresh_trial, median_and_spread, steady_numbers
 
+# How each trial's process starts: a new interpreter, or forked from one that has imported the
+# trainer (trainer.trial_fork)
+TRIAL_STARTS = {"fresh": fresh_trial, "forked": forked_trial}
 # A first run this many times the noise away from its reference decides without repeats
 CLEAR = 4.0
 
@@ -80,15 +83,12 @@ class Bench:
         min_gain: float,
         earlier: list[dict] | None = None,
         machine: str = "",
-        forked: bool = False,
+        trial_start: str = "fresh",
     ):
         self.base, self.out, self.repeats = base, out, repeats
         self.budget_s, self.min_gain, self.machine = budget_s, min_gain, machine
-        # how each trial's process starts: a new interpreter, or forked from one that has imported
-        # the trainer (trainer.trial_fork)
-        self.trial_start = "forked" if forked else "fresh"
-        self.start = forked_trial if forked else fresh_trial
-        if forked:
+        self.trial_start, self.start = trial_start, TRIAL_STARTS[trial_start]
+        if trial_start == "forked":
             start_forkserver()  # its imports now, not in the first trial's time
         self.started = time.monotonic()
         self.durations: list[float] = []
