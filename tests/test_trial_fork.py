@@ -115,15 +115,17 @@ def test_a_trials_exit_code_is_the_one_the_interpreter_would_give(capsys):
     assert stderr.startswith("a message\nTraceback") and stderr.endswith("ValueError: broken\n")
 
 
-def test_the_cuda_check_reads_the_driver_library_from_the_process_map():
-    mapped = "7f00-7f01 r-xp 0 08:01 42 /usr/lib/x86_64-linux-gnu/libcuda.so.580.159.04\n"
-    assert trial_fork.cuda_driver_loaded(mapped)
-    assert not trial_fork.cuda_driver_loaded("7f00-7f01 r-xp 0 08:01 42 /opt/libcudart.so.13\n")
+def test_the_cuda_check_is_torchs_own_mark_of_a_child_forked_after_cuda_started(monkeypatch):
+    import torch
+
+    assert not trial_fork.cuda_started_before_fork()  # this process never started CUDA
+    monkeypatch.setattr(torch.cuda, "_is_in_bad_fork", lambda: True)
+    assert trial_fork.cuda_started_before_fork()
 
 
 @pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
 def test_a_trial_forked_after_cuda_started_refuses_in_one_line(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(trial_fork, "cuda_driver_loaded", lambda maps=None: True)
+    monkeypatch.setattr(trial_fork, "cuda_started_before_fork", lambda: True)
     child = multiprocessing.get_context("fork").Process(
         target=trial_fork.trial_process, args=(SMALL, str(tmp_path))
     )

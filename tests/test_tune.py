@@ -16,7 +16,7 @@ from conftest import HANG_GUARD_S, ends_soon
 
 from trainer.tune.bench import Bench
 from trainer.tune.candidates import CANDIDATES, split_for
-from trainer.tune.output import tuned_yaml
+from trainer.tune.output import markdown, tuned_yaml
 from trainer.tune.search import TuneError, search
 
 BY_NAME = {candidate.name: candidate for candidate in CANDIDATES}
@@ -103,6 +103,7 @@ def test_a_toggle_slower_alone_joins_when_it_pays_on_the_result():
     assert verdicts["add back", "+ channels_last"] == "pays on amp: joins"
     assert [c.name for c in outcome.kept] == ["amp", "channels_last"] and outcome.final.img_per_s == 190
     preset = tuned_yaml(outcome, {}, [])  # the line says where it paid, not only that it did not alone
+    assert "unfinished" not in preset  # every setting was measured
     said = "channels_last: true  # channels_last: alone -2.0% (noise 2.0%); added to the result +26.7%"
     assert said in preset
 
@@ -210,6 +211,9 @@ def test_a_spent_budget_leaves_settings_unmeasured_not_judged(tmp_path):
     outcome = search(OneTrialBench([], tmp_path, 1, 60, 0.02), TRIED, batch_sizes=[256])
     assert outcome.kept == [] and outcome.final.label == "perf=default"
     assert {s.verdict for s in outcome.settings[1:]} == {"not measured: budget spent"}
+    left = len(outcome.settings) - 1
+    said = f"unfinished: the budget ran out with {left} setting(s) not measured, so this is the best found"
+    assert f"# {said}" in tuned_yaml(outcome, {}, []) and f"**{said}" in markdown(outcome, {}, [], "cmd")
     spent = MadeUpBench([], tmp_path, 1, budget_s=0.0, min_gain=0.02)
     spent.durations.append(1.0)  # a trial takes a second: none fits
     with pytest.raises(TuneError, match="the baseline run found no room in the budget"):

@@ -56,15 +56,14 @@ def forkserver() -> multiprocessing.context.ForkServerContext:
     return _context
 
 
-def cuda_driver_loaded(maps: str | None = None) -> bool:
-    """Whether the CUDA driver library is mapped into this process (/proc/self/maps): the runtime
-    loads it when it starts CUDA, and a process forked after that cannot use CUDA."""
-    if maps is None:
-        try:
-            maps = Path("/proc/self/maps").read_text()
-        except OSError:
-            return False
-    return "libcuda.so" in maps
+def cuda_started_before_fork() -> bool:
+    """Whether the process this one was forked from had started CUDA, which a forked process
+    cannot use: torch marks such a child when it forks (the flag it checks before refusing CUDA
+    with a traceback). That libcuda is mapped says nothing: `import torch` maps it (torch 2.11,
+    CUDA 13) and starts nothing."""
+    import torch  # preloaded in the forkserver: no import time here
+
+    return torch.cuda._is_in_bad_fork()
 
 
 def trial_process(overrides: list[str], output_dir: str, environment: dict[str, str] | None = None) -> None:
@@ -88,7 +87,7 @@ def trial_process(overrides: list[str], output_dir: str, environment: dict[str, 
     # server that preloads nothing and registers its semaphores with the tuner's tracker).
     sys.stdout.reconfigure(line_buffering=False)
     multiprocessing.set_start_method(None, force=True)
-    if cuda_driver_loaded():
+    if cuda_started_before_fork():
         print(NO_CUDA_AFTER_FORK, file=sys.stderr)
         sys.exit(1)
     from trainer import __main__ as cli

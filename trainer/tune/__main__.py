@@ -18,8 +18,8 @@ measured), tune.md, tune.csv, tune.png and trials.jsonl (every trial as it ends)
 cannot act on the device are listed with the reason; trials the --budget-min leaves no room for
 are listed as not measured. `--resume` continues a tune in --out that its budget or a stop cut
 short: the trials it finished on this machine are used first, then the rest are run.
-`--trial-start forked` forks each trial from one process that imported the trainer once
-(trainer/trial_fork.py) instead of starting a new interpreter: seconds less a trial.
+Each trial is forked from one process that imported the trainer once (trainer/trial_fork.py):
+seconds less a trial than a new interpreter, which `--trial-start fresh` starts instead.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from pathlib import Path
 from trainer.cli_checks import check_composition
 from trainer.config import ConfigError, register_schema
 from trainer.report.jobs import parse_override
-from trainer.tune.bench import TRIAL_STARTS, Bench
+from trainer.tune.bench import DEFAULT_TRIAL_START, TRIAL_STARTS, Bench
 from trainer.tune.candidates import NAMES, pick, split_for
 
 PROG = "python -m trainer.tune"
@@ -78,9 +78,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--trial-start",
         choices=tuple(TRIAL_STARTS),
-        default="fresh",
-        help="fresh: each trial a new `python -m trainer` (default); forked: each forked from one process "
-        "that imported the trainer once, seconds less a trial (trainer/trial_fork.py)",
+        default=DEFAULT_TRIAL_START,
+        help=f"how each trial starts (default here: {DEFAULT_TRIAL_START}): forked from one process that "
+        "imported the trainer once, seconds less a trial (trainer/trial_fork.py; where the platform has "
+        "a forkserver), or fresh, a new `python -m trainer`",
     )
     parser.add_argument("--toggles", help=f"comma-separated subset of: {', '.join(NAMES)} (default: all)")
     parser.add_argument(
@@ -177,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch  # only once the command line has passed its checks
 
     from trainer.trials import environment, machine
-    from trainer.tune.output import write_all
+    from trainer.tune.output import unfinished, write_all
     from trainer.tune.search import TuneError, search
 
     device = (
@@ -230,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
     print(write_all(out, outcome, split.not_tried, header, args.overrides))
     print(f"tune: wrote perf/tuned.yaml, tune.md, tune.csv, tune.png to {out}", file=sys.stderr)
+    if unfinished(outcome):
+        print(f"tune: {unfinished(outcome)}", file=sys.stderr)
     return 0
 
 

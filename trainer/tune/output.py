@@ -20,6 +20,19 @@ def percent(ratio: float | None) -> str:
     return "" if ratio is None else f"{100 * (ratio - 1):+.1f}%"
 
 
+def unfinished(outcome: Outcome) -> str:
+    """One line when the budget ran out before the search's end, else empty: the preset is then
+    the best measured so far, which can be slower than a finished search's (a toggle it would
+    have added back is missing)."""
+    left = sum(s.verdict.startswith("not measured: budget spent") for s in outcome.settings)
+    if not left:
+        return ""
+    return (
+        f"unfinished: the budget ran out with {left} setting(s) not measured, so this is the best "
+        "found so far; the same command with --resume and a larger --budget-min finishes it"
+    )
+
+
 def yaml_lines(overrides: list[str], comments: dict[str, str]) -> list[str]:
     """A perf preset's lines for dotted overrides (key.sub=value), each with its comment."""
     lines, opened = [], None
@@ -57,7 +70,7 @@ def tuned_yaml(outcome: Outcome, not_tried: dict[str, str], header: list[str]) -
                 overrides.append(override)
                 comments[override] = said
     overrides.sort(key=lambda override: ("." in override.split("=", 1)[0], override))
-    lines = ["# @package _global_", *(f"# {line}" for line in header)]
+    lines = ["# @package _global_", *(f"# {line}" for line in [*header, unfinished(outcome)] if line)]
     lines += yaml_lines(overrides, comments) or [
         "# no toggle paid beyond the noise: perf=default is the fastest here"
     ]
@@ -91,6 +104,8 @@ def cells(setting: Setting) -> list[str]:
 def markdown(outcome: Outcome, not_tried: dict[str, str], header: list[str], command: str) -> str:
     kept = ", ".join(candidate.name for candidate in outcome.kept) or "none"
     lines = [f"# trainer.tune: {kept}", "", *header, "", f"    {command}", ""]
+    if unfinished(outcome):
+        lines += [f"**{unfinished(outcome)}**", ""]
     lines += ["| " + " | ".join(COLUMNS) + " |", "|" + " --- |" * len(COLUMNS)]
     lines += ["| " + " | ".join(cells(setting)) + " |" for setting in outcome.settings]
     if not_tried:
