@@ -16,6 +16,8 @@ the last two). Variants:
   no-graphs       compile_mode=default: no CUDA graph pools (changes the work; for the exit only)
   forked          the tuner's --trial-start forked (trainer/trial_fork.py): forked from a process
                   that imported the trainer once, ended as multiprocessing ends a child
+  forked-no-autotune  forked, with cudnn_benchmark=false: whether cuDNN's autotuning, which can
+                  pick other algorithms in another process, is what spreads images/s between trials
 
 Beside the times, each variant's images/s (the trial's own number, epochs after the first): a
 variant that changes how the process starts or ends must leave it where plain has it.
@@ -59,6 +61,7 @@ VARIANTS = {  # environment, extra overrides, how the trial starts and ends
     "os-exit": ({}, [], "os-exit"),
     "no-graphs": ({}, ["compile_mode=default"], "plain"),
     "forked": ({}, [], "forked"),
+    "forked-no-autotune": ({}, ["cudnn_benchmark=false"], "forked"),
 }
 
 
