@@ -16,7 +16,7 @@ from conftest import HANG_GUARD_S, ends_soon
 
 from trainer.tune.bench import Bench
 from trainer.tune.candidates import CANDIDATES, split_for
-from trainer.tune.output import markdown, tuned_yaml
+from trainer.tune.output import markdown, spread_note, tuned_yaml
 from trainer.tune.search import TuneError, search
 
 BY_NAME = {candidate.name: candidate for candidate in CANDIDATES}
@@ -70,6 +70,25 @@ def test_the_search_keeps_what_pays_and_drops_what_the_rest_do_as_well_without(t
     assert outcome.best_batch.label == "batch_size=256" and "batch_size=1024" not in verdicts
     # set_to_none, within the noise alone, is not tried again on the result: CUDA graphs set it
     assert "+ set_to_none" not in verdicts and "set_to_none=true" in outcome.final.overrides
+
+
+class NoisyBaselineBench(MadeUpBench):
+    """The baseline's processes alternate between 100 and 125 images/s."""
+
+    def trial(self, label, overrides):
+        result = super().trial(label, overrides)
+        if not overrides:
+            self.baselines = getattr(self, "baselines", 0) + 1
+            result["img_per_s"] = 125 if self.baselines % 2 == 0 else 100
+        return result
+
+
+def test_a_wide_spread_between_runs_of_one_setting_is_said_beside_the_table(tmp_path):
+    quiet = search(MadeUpBench([], tmp_path, 3, 60, 0.02), TRIED, batch_sizes=[])
+    assert spread_note(quiet) == "" and "noisy host" not in markdown(quiet, {}, [], "cmd")
+    noisy = search(NoisyBaselineBench([], tmp_path, 3, 60, 0.02), TRIED, batch_sizes=[])
+    said = "noisy host: the runs of one setting spread by up to 25% here (perf=default)"
+    assert spread_note(noisy).startswith(said) and f"**{said}" in markdown(noisy, {}, [], "cmd")
 
 
 class AddBackBench(MadeUpBench):

@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch  # only once the command line has passed its checks
 
     from trainer.trials import environment, machine
-    from trainer.tune.output import unfinished, write_all
+    from trainer.tune.output import spread_note, unfinished, write_all
     from trainer.tune.search import TuneError, search
 
     device = (
@@ -231,8 +231,9 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
     print(write_all(out, outcome, split.not_tried, header, args.overrides))
     print(f"tune: wrote perf/tuned.yaml, tune.md, tune.csv, tune.png to {out}", file=sys.stderr)
-    if unfinished(outcome):
-        print(f"tune: {unfinished(outcome)}", file=sys.stderr)
+    for note in (unfinished(outcome), spread_note(outcome)):
+        if note:
+            print(f"tune: {note}", file=sys.stderr)
     return 0
 
 

@@ -33,6 +33,23 @@ def unfinished(outcome: Outcome) -> str:
     )
 
 
+# A spread between the runs of one setting beyond which the table's small verdicts tell more
+# about the host than about the toggles (the fast CNN's processes spread 17-39% on one H100)
+WIDE_SPREAD = 0.10
+
+
+def spread_note(outcome: Outcome) -> str:
+    """One line when the runs of some setting spread widely, else empty: every toggle worth less
+    than that spread is then "within the noise", however real it is."""
+    widest = max(outcome.settings, key=Setting.relative_spread, default=None)
+    if widest is None or widest.relative_spread() <= WIDE_SPREAD:
+        return ""
+    return (
+        f"noisy host: the runs of one setting spread by up to {100 * widest.relative_spread():.0f}% "
+        f"here ({widest.label}), so a toggle worth less is within the noise and is not kept"
+    )
+
+
 def yaml_lines(overrides: list[str], comments: dict[str, str]) -> list[str]:
     """A perf preset's lines for dotted overrides (key.sub=value), each with its comment."""
     lines, opened = [], None
@@ -104,8 +121,7 @@ def cells(setting: Setting) -> list[str]:
 def markdown(outcome: Outcome, not_tried: dict[str, str], header: list[str], command: str) -> str:
     kept = ", ".join(candidate.name for candidate in outcome.kept) or "none"
     lines = [f"# trainer.tune: {kept}", "", *header, "", f"    {command}", ""]
-    if unfinished(outcome):
-        lines += [f"**{unfinished(outcome)}**", ""]
+    lines += [f"**{note}**\n" for note in (unfinished(outcome), spread_note(outcome)) if note]
     lines += ["| " + " | ".join(COLUMNS) + " |", "|" + " --- |" * len(COLUMNS)]
     lines += ["| " + " | ".join(cells(setting)) + " |" for setting in outcome.settings]
     if not_tried:
