@@ -29,7 +29,7 @@ def unfinished(outcome: Outcome) -> str:
         return ""
     return (
         f"unfinished: the budget ran out with {left} setting(s) not measured, so this is the best "
-        "found so far; the same command with --resume and a larger --budget-min finishes it"
+        "found so far; the same command with --resume continues it on this machine"
     )
 
 
