@@ -105,3 +105,9 @@ def test_a_built_wheel_runs_from_any_folder_with_the_configs_inside(tmp_path):
         "accuracy_vs_time.png",
     }
     assert sorted(path.name for path in elsewhere.iterdir()) == ["outputs", "report"]
+
+    # And the tuner: its module and its command answer from the wheel.
+    tune_help = run(str(python), "-m", "trainer.tune", "--help", cwd=elsewhere, env=env).stdout
+    assert tune_help.startswith("usage: python -m trainer.tune")
+    tune_help = run(str(environment / "bin" / "trainer-tune"), "--help", cwd=elsewhere, env=env).stdout
+    assert "--budget-min" in tune_help and "--trial-start" in tune_help
