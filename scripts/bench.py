@@ -3,6 +3,7 @@
     python scripts/bench.py --data-root ~/cifar10 --sections peers,default --repeats 3
     python scripts/bench.py --data-root ~/cifar10 --sections added,removed,files
     python scripts/bench.py --list                   # the sections and their rows
+    python scripts/bench.py --merge a/bench.csv b/bench.csv --pool   # one row over both calls' runs
 
 Sections (each row runs `python -m trainer`, or a hand-written loop, in its own process, so
 no row inherits another's compiled graphs, cuDNN plans or allocator state):
@@ -33,6 +34,7 @@ from __future__ import annotations
 import argparse
 import csv
 import os
+import statistics
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -200,7 +202,52 @@ def row_runner(section: str, row: Row, args, data: list[str], out: Path) -> Call
 
 
 def row_result(section: str, row: Row, runs: list[dict]) -> dict:
-    return {"section": section, "row": row.name, "settings": row.describe(), **median_and_spread(runs)}
+    """The table row; each run's images/s too (img_per_s_each), so that --merge can pool calls."""
+    each = " ".join(f"{run['img_per_s']:.0f}" for run in runs if "img_per_s" in run)
+    summary = median_and_spread(runs)
+    return {
+        "section": section,
+        "row": row.name,
+        "settings": row.describe(),
+        **summary,
+        "img_per_s_each": each,
+    }
+
+
+def pooled(rows: list[dict]) -> list[dict]:
+    """Rows of one section and name from several benches as one row over all their runs: a
+    lease's calls are 10 minutes each, so a row's repeats are often split over calls. Images/s
+    is the median and min-max of every run; peak memory and data wait the median of the rows'
+    medians (a run's own are not kept). Rows without img_per_s_each (older tables) stay apart."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        key = (row["section"], row["row"]) if row.get("img_per_s_each") else (id(row),)
+        groups.setdefault(key, []).append(row)
+    result = []
+    for members in groups.values():
+        if len(members) == 1:
+            result.append(members[0])
+            continue
+        rates = [float(value) for member in members for value in str(member["img_per_s_each"]).split()]
+        failed = sum(1 for member in members if member["status"] != "completed")
+        medians = {
+            key: statistics.median(values) if values else None
+            for key in ("peak_mem_mb", "data_wait_frac")
+            for values in [[member[key] for member in members if member.get(key) is not None]]
+        }
+        result.append(
+            {
+                **members[0],
+                "runs": len(rates),
+                "status": "completed" if not failed else f"{failed} pooled row(s) had failed runs",
+                "img_per_s": statistics.median(rates),
+                "min_img_per_s": min(rates),
+                "max_img_per_s": max(rates),
+                **medians,
+                "img_per_s_each": " ".join(f"{rate:.0f}" for rate in rates),
+            }
+        )
+    return result
 
 
 def run_row(section: str, row: Row, args, data: list[str], out: Path) -> dict:
@@ -250,7 +297,7 @@ def numeric(row: dict) -> dict:
         except ValueError:
             return value or None
 
-    text = ("section", "row", "settings", "status")
+    text = ("section", "row", "settings", "status", "img_per_s_each")
     return {key: convert(value) if key not in text else value for key, value in row.items()}
 
 
@@ -282,10 +329,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tuned", type=Path, default=None, help="tuned section: the tuner's --out folder")
     parser.add_argument("--list", action="store_true", help="print the sections and rows, then exit")
     parser.add_argument("--merge", nargs="+", type=Path, metavar="BENCH_CSV", help="re-render earlier tables")
+    parser.add_argument(
+        "--pool",
+        action="store_true",
+        help="with --merge: rows of one section and name in several tables become one row over all runs",
+    )
     args = parser.parse_args(argv)
+    if args.pool and not args.merge:
+        print("bench: --pool goes with --merge BENCH_CSV ... (the tables to pool)", file=sys.stderr)
+        return 2
     if args.merge:
+        missing = [str(path) for path in args.merge if not path.is_file()]
+        if missing:
+            print(f"bench: no such bench.csv: {', '.join(missing)}", file=sys.stderr)
+            return 2
         rows = [numeric(row) for path in args.merge for row in csv.DictReader(path.read_text().splitlines())]
-        print(table(rows))
+        print(table(pooled(rows) if args.pool else rows))
         return 0
     if args.list:
         for section, rows in SECTIONS.items():

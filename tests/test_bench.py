@@ -1,0 +1,57 @@
+"""scripts/bench.py without GPUs: a row keeps each run's images/s, and --merge --pool makes the
+rows of several benches (a lease's calls) one row over all their runs."""
+
+from __future__ import annotations
+
+import csv
+import sys
+
+from conftest import REPO
+
+sys.path.insert(0, str(REPO / "scripts"))
+import bench  # noqa: E402 - a development script, not a package module
+
+
+def run(rate: float) -> dict:
+    return {"status": "completed", "img_per_s": rate, "peak_mem_mb": 836.0, "data_wait_frac": 0.07}
+
+
+def bench_csv(path, rows: dict[str, list[float]]):
+    path.parent.mkdir(parents=True)
+    results = [
+        bench.row_result("tuned", bench.Row(name, [name]), [run(r) for r in rates])
+        for name, rates in rows.items()
+    ]
+    bench.write_tables(path.parent, "header", results)
+    return path
+
+
+def test_a_row_keeps_each_runs_images_per_second(tmp_path):
+    path = bench_csv(tmp_path / "a" / "bench.csv", {"perf=fast": [167300, 147386, 185687]})
+    [row] = csv.DictReader(path.read_text().splitlines())
+    assert row["img_per_s_each"] == "167300 147386 185687"
+    assert float(row["img_per_s"]) == 167300
+
+
+def test_pooling_two_calls_gives_one_row_over_all_their_runs(tmp_path, capsys):
+    first = bench_csv(
+        tmp_path / "a" / "bench.csv", {"perf=fast": [100, 300, 200], "perf=tuned": [150, 250, 50]}
+    )
+    second = bench_csv(tmp_path / "b" / "bench.csv", {"perf=fast": [400, 500], "perf=tuned": [600, 700]})
+
+    assert bench.main(["--merge", str(first), str(second), "--pool"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| perf=")]
+    assert lines == [
+        "| perf=fast | perf=fast | 5 | 300 | 100-500 | 1.00x | 836 | 7.0% |",
+        "| perf=tuned | perf=tuned | 5 | 250 | 50-700 | 0.83x | 836 | 7.0% |",
+    ]
+
+    assert bench.main(["--merge", str(first), str(second)]) == 0  # without --pool: each call's row
+    assert len([line for line in capsys.readouterr().out.splitlines() if line.startswith("| perf=fast")]) == 2
+
+
+def test_pool_without_merge_or_a_missing_table_is_one_line(tmp_path, capsys):
+    assert bench.main(["--pool"]) == 2
+    assert capsys.readouterr().err == "bench: --pool goes with --merge BENCH_CSV ... (the tables to pool)\n"
+    assert bench.main(["--merge", str(tmp_path / "none.csv"), "--pool"]) == 2
+    assert capsys.readouterr().err == f"bench: no such bench.csv: {tmp_path / 'none.csv'}\n"
