@@ -118,7 +118,7 @@ def test_accumulation_skips_the_all_reduce_between_boundaries(tmp_path):
 
 def test_ddp_sweep_makes_one_folder_per_job(tmp_path):
     """A sweep over ddp and one more toggle: each job makes and tears down its own process group.
-    The other toggle is channels_last, not amp: bf16 on a CPU without AMX is slow and tests
+    The other toggle is channels_last, not amp: bf16 is slow on some CPUs and tests
     nothing here (22 s against 18 s on a 2-core AVX2 host)."""
     result = run_cli(
         "-m",

@@ -14,7 +14,7 @@ from trainer.config import to_train_config
 from trainer.data import GpuLoader, ImageSplit, Splits, crop_and_flip, gpu_loaders, torch_loaders
 from trainer.data.augment import CUTOUT_FILL
 from trainer.models import CheckpointedStage, build_model
-from trainer.perf import Moved
+from trainer.perf import Moved, cpu_bf16
 
 
 def built(tmp_path, *overrides: str) -> Trainer:
@@ -142,14 +142,29 @@ def test_dataloader_fields_follow_the_toggles(tmp_path, caplog):
     assert built(tmp_path / "plain").train_loader.num_workers == 0
 
 
-@pytest.mark.parametrize("amx", [False, True])
-def test_amp_on_a_cpu_without_amx_warns_that_it_is_slower(tmp_path, caplog, monkeypatch, amx):
-    monkeypatch.setattr(perf, "cpu_has_amx", lambda: amx)
+@pytest.mark.parametrize("slowdown", [None, 11.2])
+def test_amp_on_a_cpu_where_bf16_is_slower_warns_by_how_much(tmp_path, caplog, monkeypatch, slowdown):
+    monkeypatch.setattr(perf, "cpu_bf16_slowdown", lambda: slowdown)
     with caplog.at_level(logging.WARNING, logger="trainer.perf"):
         built(tmp_path, "amp=true")
     warned = [r.getMessage() for r in caplog.records if "amp=true on this CPU" in r.getMessage()]
-    assert len(warned) == (0 if amx else 1)
-    assert amx or ("10-13x slower" in warned[0] and "Set amp=false" in warned[0])
+    assert len(warned) == (0 if slowdown is None else 1)
+    if slowdown:
+        assert "ran 11.2x slower than fp32 here" in warned[0] and "Set amp=false" in warned[0]
+
+
+@pytest.mark.parametrize(("amx", "ratio", "said"), [(True, 9.0, None), (False, 9.0, 9.0), (False, 1.1, None)])
+def test_the_cpu_bf16_probe_calls_bf16_slower_only_clearly_and_never_with_amx(monkeypatch, amx, ratio, said):
+    monkeypatch.setattr(cpu_bf16, "cpu_has_amx", lambda: amx)
+    monkeypatch.setattr(cpu_bf16, "bf16_conv_slowdown", lambda: ratio)
+    assert cpu_bf16.cpu_bf16_slowdown() == said
+
+
+def test_the_cpu_bf16_probe_times_both_and_leaves_the_random_state_alone():
+    state = torch.random.get_rng_state()
+    ratio = cpu_bf16.bf16_conv_slowdown.__wrapped__(repeats=1)
+    assert ratio > 0
+    assert torch.equal(torch.random.get_rng_state(), state)
 
 
 def test_prefetch_on_cpu_says_so_and_moves_batches_plainly(tmp_path, caplog):

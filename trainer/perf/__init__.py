@@ -7,6 +7,7 @@ toggle cannot act on this device, one log line says so and the run carries on wi
 A new toggle is a field in trainer/config.py and a few lines in the file of its concern:
   __init__.py  the step's own: precision (amp, its dtype, the gradient scaler), zero_grad,
                the optimizer's fused kernels
+  cpu_bf16.py  whether bf16 autocast pays on this CPU (timed once, for amp's warning)
   backend.py   torch.backends switches (deterministic, cudnn_benchmark, tf32) and the warm-up
                steps their autotuning (or torch.compile) calls for
   inputs.py    DataLoader workers, pinned memory, non-blocking copies, prefetching
@@ -29,6 +30,7 @@ import torch
 
 from trainer.config import AmpDtype, TrainConfig
 from trainer.perf.backend import WARM_UP_STEPS, apply_backend_flags, warm_up_steps
+from trainer.perf.cpu_bf16 import cpu_bf16_slowdown
 from trainer.perf.ddp import (
     DDP_TOGGLES,
     DDP_WRAPPER_TOGGLES,
@@ -65,7 +67,7 @@ __all__ = [
     "bucket_cap_mb",
     "cannot_act",
     "comm_hook",
-    "cpu_has_amx",
+    "cpu_bf16_slowdown",
     "data_parallel",
     "dataloader_kwargs",
     "device_batches",
@@ -84,31 +86,18 @@ __all__ = [
     "zero_grad",
 ]
 
-# Measured on a 2-core CPU with avx512_bf16 but no AMX: bf16 autocast ran the CNN at 63-73
-# img/s against 838-985 in fp32. Without AMX's tile units, bf16 convolutions fall back to
-# slow paths.
-CPU_BF16_SLOWDOWN = "10-13x"
-
-
-def cpu_has_amx() -> bool | None:
-    """Whether the CPU lists AMX's bf16 tile units (amx_bf16); None where /proc/cpuinfo is absent."""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            return any(line.startswith("flags") and "amx_bf16" in line.split() for line in cpuinfo)
-    except OSError:
-        return None
-
 
 def amp_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype | None:
     """The autocast dtype, or None for full precision."""
     if not cfg.amp:
         return None
-    if device.type == "cpu" and cpu_has_amx() is False:
+    slowdown = cpu_bf16_slowdown() if device.type == "cpu" else None
+    if slowdown:
         say_once(
             logging.WARNING,
-            "amp=true on this CPU (no AMX: amx_bf16 is not among its flags) will be slower than fp32: "
-            "bf16 autocast ran %s slower on such a CPU. Set amp=false here",
-            CPU_BF16_SLOWDOWN,
+            "amp=true on this CPU will be slower than fp32: a bf16 convolution step ran %.1fx slower "
+            "than fp32 here (timed at start-up). Set amp=false here",
+            slowdown,
         )
     if cfg.amp_dtype is AmpDtype.auto:
         cuda_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
