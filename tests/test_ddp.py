@@ -286,7 +286,7 @@ def test_a_killed_rank_restarts_the_group_from_the_last_checkpoint(tmp_path, uni
     output = launcher.communicate(timeout=HANG_GUARD_S)[0].decode()
     assert launcher.returncode == 0, output[-3000:]
     assert "restart 1: resuming from" in (run_dir / "rank1.log").read_text()
-    assert read_metrics(run_dir)["resumed_from"] == str(run_dir / "checkpoints" / "last.pt")
+    assert read_metrics(run_dir)["resumed_from"] == os.path.join("checkpoints", "last.pt")
     assert_same_weights(run_dir, uninterrupted)
 
 

@@ -169,6 +169,7 @@ def test_the_weight_average_is_checkpointed_and_is_what_is_evaluated(recipe_run)
     for key in ("test_loss", "test_acc", "test_acc_tta"):
         assert result[key] == pytest.approx(metrics[key], abs=1e-6), key
     assert json.loads((recipe_run / EVALUATION).read_text()) == result
+    assert result["checkpoint"] == str(Path("checkpoints") / "last.pt")  # the run folder's, however given
     flip = evaluate_run(str(recipe_run / "checkpoints" / "last.pt"), ["eval.tta=flip", "batch_size=50"])
     assert flip["test_acc"] == pytest.approx(metrics["test_acc"]) and "test_acc_tta" in flip
 

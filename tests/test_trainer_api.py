@@ -157,7 +157,11 @@ def test_resumed_run_ends_with_the_uninterrupted_runs_weights(tmp_path, uninterr
 
     assert metrics["status"] == "completed"
     assert (metrics["epochs"], metrics["steps"]) == (2, 2 * STEPS_PER_EPOCH)
-    assert metrics["resumed_from"] == str(interrupted_dir / "checkpoints" / "last.pt")
+    # Relative to the run folder, as every path in metrics.json.
+    resumed_from = Path(metrics["resumed_from"])
+    assert not resumed_from.is_absolute()
+    expected = interrupted_dir / "checkpoints" / "last.pt"
+    assert (tmp_path / "resumed" / resumed_from).resolve() == expected.resolve()
     assert [record["epoch"] for record in metrics["history"]] == [1, 2]
     # Epoch 1 is carried over from the checkpoint, not trained again: even its timings match.
     assert metrics["history"][0] == interrupted_metrics["history"][0]

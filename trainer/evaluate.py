@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -119,7 +120,7 @@ def evaluate_run(run: str, overrides: list[str], export: ExportFormat = ExportFo
     )
     folder = run_folder(path)
     result = {
-        "checkpoint": str(path),
+        "checkpoint": os.path.relpath(path, folder),  # relative to the run folder, as metrics.json's
         "weights": weights_name,
         "epoch": state.get("epoch"),
         "step": state.get("step"),

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -267,10 +268,8 @@ class Run:
             state, self.config, parts.total_steps, parts.raw_model.state_dict(), parts.classes
         )
         checkpoint.restore(self.cfg.resume, state, self.stateful())
-        self.resumed_from = str(path)
-        log.info(
-            "resumed from %s at epoch %d, step %d", self.resumed_from, self.progress.epoch, self.progress.step
-        )
+        self.resumed_from = os.path.relpath(path, self.run_dir)  # metrics.json's paths are the run folder's
+        log.info("resumed from %s at epoch %d, step %d", path, self.progress.epoch, self.progress.step)
 
     # ------------------------------------------------------------------ results
 
