@@ -226,6 +226,24 @@ def test_compile_really_compiles(tmp_path):
     torch._dynamo.reset()
 
 
+def test_cuda_graphs_off_cuda_compile_in_the_default_mode_and_say_so_once(caplog):
+    from trainer.perf.model import compile_mode
+    from trainer.perf.notes import forget_said
+
+    forget_said()  # as a run's start does: an earlier test's run may have said it
+    cfg = to_train_config(compose_config("perf=fast"))
+    assert cfg.compile_mode.value == "reduce-overhead"
+    with caplog.at_level(logging.DEBUG, logger="trainer.perf"):
+        assert compile_mode(cfg, torch.device("cpu")) == "default"
+        assert compile_mode(cfg, torch.device("cpu")) == "default"
+    line = "compile_mode=reduce_overhead has no effect"
+    said = [r for r in caplog.records if r.getMessage().startswith(line)]
+    assert [r.levelno for r in said] == [logging.INFO]  # perf=fast asked for it
+    # torch's "No CUDA runtime is found" on importing cpp_extension is nothing this run can act on.
+    assert logging.getLogger("torch.utils.cpp_extension").getEffectiveLevel() == logging.ERROR
+    assert compile_mode(to_train_config(compose_config("compile=true")), torch.device("cpu")) == "default"
+
+
 def test_conv_bias_false_removes_biases_before_batchnorm():
     from trainer.config import ModelConfig, ModelName
 

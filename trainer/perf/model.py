@@ -6,12 +6,13 @@ Must not touch: what the model is (trainer/models.py), the data and the step.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from trainer.config import ConfigError, TrainConfig
+from trainer.config import CompileMode, ConfigError, TrainConfig
 from trainer.perf.ddp import unused_ddp_toggles
 from trainer.perf.notes import cannot_act
 
@@ -67,5 +68,17 @@ def prepare_model(
     if cfg.compile:
         # Static shapes: training batches all have one size (the last partial one is dropped), or
         # two with data.low_res; a dynamic graph after the second size would slow both.
-        model = torch.compile(model, mode=cfg.compile_mode.value, dynamic=False)
+        model = torch.compile(model, mode=compile_mode(cfg, device), dynamic=False)
     return model
+
+
+def compile_mode(cfg: TrainConfig, device: torch.device) -> str:
+    """torch.compile's mode: reduce-overhead's CUDA graphs need CUDA, elsewhere the default mode."""
+    if device.type != "cuda":
+        # Inductor imports torch.utils.cpp_extension, whose import warns "No CUDA runtime is
+        # found" wherever a CUDA toolkit folder exists: nothing a run off CUDA can act on.
+        logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+        if cfg.compile_mode is CompileMode.reduce_overhead:
+            cannot_act("compile_mode=reduce_overhead", f"CUDA graphs need CUDA, device is {device}")
+            return CompileMode.default.value
+    return cfg.compile_mode.value
