@@ -222,12 +222,21 @@ def test_evaluate_answers_command_line_mistakes_before_importing_torch(recipe_ru
         "import sys; from trainer.evaluate import main; code = main(sys.argv[1:]); "
         "print('torch imported' if 'torch' in sys.modules else 'torch not imported'); sys.exit(code)"
     )
-    for argv in (["nowhere"], [str(recipe_run), "eval.ttta=flip"], [str(recipe_run), "eval.tta"]):
+    bad = ("eval.ttta=flip", "eval.tta", "eval.tta=sideways", "batch_size=abc")  # key, form, values
+    for argv in (["nowhere"], *([str(recipe_run), override] for override in bad)):
         result = subprocess.run(
             [sys.executable, "-c", probe, *argv], capture_output=True, text=True, env=cli_environment()
         )
         assert result.returncode == 1 and result.stdout.strip() == "torch not imported", result.stderr
         assert result.stderr.startswith("evaluate: error: ")
+
+
+def test_evaluate_says_where_it_wrote_relative_to_where_it_was_asked(recipe_run, capsys, monkeypatch):
+    monkeypatch.chdir(recipe_run.parent)
+    assert main([recipe_run.name]) == 0
+    assert capsys.readouterr().err.splitlines()[-1] == f"wrote {Path(recipe_run.name) / EVALUATION}"
+    written = json.loads((recipe_run / EVALUATION).read_text())
+    assert written["checkpoint"] == str(Path("checkpoints") / "last.pt")
 
 
 def test_fastcnn_learns_and_takes_channels_last():

@@ -26,6 +26,7 @@ from trainer.config import (
     ExportFormat,
     TrainConfig,
     TrainerError,
+    describe_omegaconf_error,
     schema_keys,
     to_train_config,
     unknown_key_message,
@@ -54,7 +55,9 @@ def run_folder(checkpoint_path: Path) -> Path:
 
 
 def check_overrides(overrides: list[str]) -> None:
-    """key=value, with a key of the schema: answered before torch is imported."""
+    """key=value, with a key of the schema and a value of its type: answered before torch is
+    imported. The values are checked on the schema's defaults, one at a time, so only the
+    value itself can be wrong here; how it fits the run's config is checked on that."""
     keys = set(schema_keys())
     for override in overrides:
         key, equals, _ = override.partition("=")
@@ -62,6 +65,10 @@ def check_overrides(overrides: list[str]) -> None:
             raise TrainerError(f"'{override}' is not key=value: e.g. eval.tta=flip")
         if key not in keys:
             raise TrainerError(unknown_key_message(key))
+        try:
+            OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.from_dotlist([override]))
+        except Exception as error:  # OmegaConf's messages span lines; keep the first
+            raise TrainerError(describe_omegaconf_error(error)) from None
 
 
 def with_overrides(saved: dict, overrides: list[str]) -> TrainConfig:
@@ -160,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"evaluate: error: {error}", file=sys.stderr)
         return 1
     print(json.dumps(result, indent=2))
-    print(f"wrote {run_folder(Path(result['checkpoint'])) / EVALUATION}", file=sys.stderr)
+    print(f"wrote {run_folder(checkpoint_file(args.run)) / EVALUATION}", file=sys.stderr)
     return 0
 
 
