@@ -149,6 +149,15 @@ def test_the_run_reports_tta_and_time_to_target(recipe_run):
     events = EventAccumulator(str(recipe_run / "tb"), size_guidance={"scalars": 0})
     events.Reload()
     assert [event.value for event in events.Scalars("test/acc_tta")] == [r["test_acc_tta"] for r in history]
+    # ema: the average's accuracy under a name that says so too, the trained weights' beside it
+    for tag, key in (
+        ("acc_ema", "test_acc"),
+        ("acc_tta_ema", "test_acc_tta"),
+        ("acc_trained", "test_acc_trained"),
+    ):
+        assert [event.value for event in events.Scalars(f"test/{tag}")] == pytest.approx(
+            [r[key] for r in history]
+        )
 
 
 def test_an_unreached_target_is_null():

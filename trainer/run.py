@@ -204,6 +204,9 @@ class Run:
                 "test/acc_tta": record.get("test_acc_tta"),
                 "test/acc_trained": record.get("test_acc_trained"),
                 "test/acc_tta_trained": record.get("test_acc_tta_trained"),
+                # with ema, test/acc is the average's; these say so by name (the trained: _trained)
+                "test/acc_ema": record.get("test_acc") if "test_acc_trained" in record else None,
+                "test/acc_tta_ema": record.get("test_acc_tta") if "test_acc_tta_trained" in record else None,
                 "test/best_acc": self.progress.best_test_acc,
                 "test/time_to_target_s": self.progress.time_to_target_s,
                 "perf/img_per_s": record["img_per_s"],
