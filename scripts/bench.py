@@ -201,8 +201,13 @@ def row_runner(section: str, row: Row, args, data: list[str], out: Path) -> Call
     return run
 
 
-def row_result(section: str, row: Row, runs: list[dict]) -> dict:
-    """The table row; each run's images/s too (img_per_s_each), so that --merge can pool calls."""
+# What a row was measured on, beside its settings: rows are pooled only where all of them agree.
+MEASURED_ON = ("model", "epochs", "environment")
+
+
+def row_result(section: str, row: Row, runs: list[dict], measured_on: dict | None = None) -> dict:
+    """The table row; each run's images/s too (img_per_s_each) and what it was measured on
+    (MEASURED_ON), so that --merge --pool can join a row's runs from several calls."""
     each = " ".join(f"{run['img_per_s']:.0f}" for run in runs if "img_per_s" in run)
     summary = median_and_spread(runs)
     return {
@@ -211,6 +216,7 @@ def row_result(section: str, row: Row, runs: list[dict]) -> dict:
         "settings": row.describe(),
         **summary,
         "img_per_s_each": each,
+        **(measured_on or {}),
     }
 
 
@@ -218,10 +224,13 @@ def pooled(rows: list[dict]) -> list[dict]:
     """Rows of one section and name from several benches as one row over all their runs: a
     lease's calls are 10 minutes each, so a row's repeats are often split over calls. Images/s
     is the median and min-max of every run; peak memory and data wait the median of the rows'
-    medians (a run's own are not kept). Rows without img_per_s_each (older tables) stay apart."""
+    medians (a run's own are not kept). Rows join only where their settings, model, epochs and
+    environment (GPU, torch, date) agree; the others, and rows of older tables without
+    img_per_s_each, stay apart."""
     groups: dict[tuple, list[dict]] = {}
     for row in rows:
-        key = (row["section"], row["row"]) if row.get("img_per_s_each") else (id(row),)
+        same = (row["section"], row["row"], row["settings"], *(str(row.get(key)) for key in MEASURED_ON))
+        key = same if row.get("img_per_s_each") else (id(row),)
         groups.setdefault(key, []).append(row)
     result = []
     for members in groups.values():
@@ -297,7 +306,7 @@ def numeric(row: dict) -> dict:
         except ValueError:
             return value or None
 
-    text = ("section", "row", "settings", "status", "img_per_s_each")
+    text = ("section", "row", "settings", "status", "img_per_s_each", "model", "environment")
     return {key: convert(value) if key not in text else value for key, value in row.items()}
 
 
@@ -376,6 +385,7 @@ def main(argv: list[str] | None = None) -> int:
         + (", the rows taking turns" if args.interleave else "")
     )
     print(header, flush=True)
+    measured_on = {"model": args.model, "epochs": args.epochs, "environment": environment()}
     wanted = [part for part in (args.rows or "").split(",") if part]
     chosen = {
         f"{section} | {row.name}": (section, row)
@@ -386,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
 
     def keep(runs: dict[str, list[dict]]) -> None:  # the tables as they stand, after every row or round
-        rows[:] = [row_result(*chosen[label], done) for label, done in runs.items() if done]
+        rows[:] = [row_result(*chosen[label], done, measured_on) for label, done in runs.items() if done]
         write_tables(out, header, rows)
 
     runners = {label: row_runner(*key, args, data, out) for label, key in chosen.items()}

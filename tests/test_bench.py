@@ -16,10 +16,13 @@ def run(rate: float) -> dict:
     return {"status": "completed", "img_per_s": rate, "peak_mem_mb": 836.0, "data_wait_frac": 0.07}
 
 
-def bench_csv(path, rows: dict[str, list[float]]):
+H100 = {"model": "fastcnn", "epochs": 3, "environment": "NVIDIA H100 80GB HBM3, torch 2.11.0, 2026-11-25"}
+
+
+def bench_csv(path, rows: dict[str, list[float]], measured_on: dict = H100, settings: str | None = None):
     path.parent.mkdir(parents=True)
     results = [
-        bench.row_result("tuned", bench.Row(name, [name]), [run(r) for r in rates])
+        bench.row_result("tuned", bench.Row(name, [settings or name]), [run(r) for r in rates], measured_on)
         for name, rates in rows.items()
     ]
     bench.write_tables(path.parent, "header", results)
@@ -55,3 +58,14 @@ def test_pool_without_merge_or_a_missing_table_is_one_line(tmp_path, capsys):
     assert capsys.readouterr().err == "bench: --pool goes with --merge BENCH_CSV ... (the tables to pool)\n"
     assert bench.main(["--merge", str(tmp_path / "none.csv"), "--pool"]) == 2
     assert capsys.readouterr().err == f"bench: no such bench.csv: {tmp_path / 'none.csv'}\n"
+
+
+def test_rows_of_other_settings_or_another_gpu_are_not_pooled(tmp_path, capsys):
+    tuned = {"perf=tuned": [100, 200, 300]}
+    first = bench_csv(tmp_path / "a" / "bench.csv", tuned)
+    other_preset = bench_csv(tmp_path / "b" / "bench.csv", tuned, settings="--config-dir=b")
+    h200 = bench_csv(tmp_path / "c" / "bench.csv", tuned, {**H100, "environment": "NVIDIA H200"})
+    assert bench.main(["--merge", str(first), str(other_preset), str(h200), "--pool"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    runs = [line.split(" | ")[2] for line in lines if line.startswith("| perf=")]
+    assert runs == ["3", "3", "3"]  # three rows, none pooled

@@ -217,6 +217,8 @@ def test_resume_with_ema_ends_with_the_uninterrupted_average(recipe_run, tmp_pat
         (["nowhere"], "no checkpoint at nowhere: give a run folder that holds checkpoints/last.pt"),
         (["RUN", "eval.ttta=flip"], "unknown config key 'eval.ttta'. Did you mean 'eval.tta'?"),
         (["RUN", "eval.tta=sideways"], "invalid value for eval.tta"),
+        (["RUN", "batch_size=abc"], "invalid value for batch_size: Value 'abc' of type 'str' could not be"),
+        (["RUN", "data=synthetic"], "data is a group of settings, and evaluate keeps the run's own: set one"),
     ],
 )
 def test_bad_evaluate_input_is_one_line_and_a_failing_exit(recipe_run, capsys, argv, fragment):

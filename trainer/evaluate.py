@@ -58,15 +58,21 @@ def check_overrides(overrides: list[str]) -> None:
     """key=value, with a key of the schema and a value of its type: answered before torch is
     imported. The values are checked on the schema's defaults, one at a time, so only the
     value itself can be wrong here; how it fits the run's config is checked on that."""
-    keys = set(schema_keys())
+    keys, schema = set(schema_keys()), OmegaConf.structured(TrainConfig)
     for override in overrides:
         key, equals, _ = override.partition("=")
         if not equals:
             raise TrainerError(f"'{override}' is not key=value: e.g. eval.tta=flip")
         if key not in keys:
             raise TrainerError(unknown_key_message(key))
+        group = OmegaConf.select(schema, key)
+        if OmegaConf.is_config(group):  # model=cnn: a choice of the trainer's command line
+            raise TrainerError(
+                f"{key} is a group of settings, and evaluate keeps the run's own: set one of its "
+                f"fields instead, e.g. {key}.{next(iter(group))}=..."
+            )
         try:
-            OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.from_dotlist([override]))
+            OmegaConf.merge(schema, OmegaConf.from_dotlist([override]))
         except Exception as error:  # OmegaConf's messages span lines; keep the first
             raise TrainerError(describe_omegaconf_error(error)) from None
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -55,6 +54,13 @@ log = logging.getLogger(__name__)
 def default_run_dir() -> Path:
     now = datetime.now()
     return Path("outputs") / now.strftime("%Y-%m-%d") / now.strftime("%H-%M-%S.%f")
+
+
+def path_in(run_dir: Path, path: Path | str) -> str:
+    """A path as metrics.json records it: relative to the run folder where it lies inside it
+    (the folder can move), else absolute (a checkpoint of another run, maybe on another drive)."""
+    resolved, folder = Path(path).resolve(), run_dir.resolve()
+    return str(resolved.relative_to(folder)) if resolved.is_relative_to(folder) else str(resolved)
 
 
 def record_rejected_config(run_dir: Path, error: Exception, overrides: list[str]) -> None:
@@ -271,7 +277,7 @@ class Run:
             state, self.config, parts.total_steps, parts.raw_model.state_dict(), parts.classes
         )
         checkpoint.restore(self.cfg.resume, state, self.stateful())
-        self.resumed_from = os.path.relpath(path, self.run_dir)  # metrics.json's paths are the run folder's
+        self.resumed_from = path_in(self.run_dir, path)
         log.info("resumed from %s at epoch %d, step %d", path, self.progress.epoch, self.progress.step)
 
     # ------------------------------------------------------------------ results

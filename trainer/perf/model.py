@@ -75,10 +75,23 @@ def prepare_model(
 def compile_mode(cfg: TrainConfig, device: torch.device) -> str:
     """torch.compile's mode: reduce-overhead's CUDA graphs need CUDA, elsewhere the default mode."""
     if device.type != "cuda":
-        # Inductor imports torch.utils.cpp_extension, whose import warns "No CUDA runtime is
-        # found" wherever a CUDA toolkit folder exists: nothing a run off CUDA can act on.
-        logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+        quiet_no_cuda_runtime()
         if cfg.compile_mode is CompileMode.reduce_overhead:
             cannot_act("compile_mode=reduce_overhead", f"CUDA graphs need CUDA, device is {device}")
             return CompileMode.default.value
     return cfg.compile_mode.value
+
+
+class NoCudaRuntimeFilter(logging.Filter):
+    """Drops torch's "No CUDA runtime is found" and nothing else of its logger: Inductor imports
+    torch.utils.cpp_extension, whose import says so wherever a CUDA toolkit folder exists, which
+    a run off CUDA cannot act on; that logger's other warnings (compiler, ABI) still show."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("No CUDA runtime is found")
+
+
+def quiet_no_cuda_runtime() -> None:
+    cpp_extension = logging.getLogger("torch.utils.cpp_extension")
+    if not any(isinstance(known, NoCudaRuntimeFilter) for known in cpp_extension.filters):
+        cpp_extension.addFilter(NoCudaRuntimeFilter())
