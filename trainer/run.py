@@ -125,8 +125,11 @@ class Run:
         try:
             metrics = launch()
         except distributed.LaunchStopped:
-            metrics = read_metrics(self.run_dir)  # rank 0's, written as it stopped and saved
-            if metrics.get("status") != "interrupted":
+            # Rank 0's record, written as it stopped and saved; or as it finished, when the stop
+            # came after the last step (the ranks agree on a stop only between steps): the
+            # completed run stands, and its record is not overwritten by a failure.
+            metrics = read_metrics(self.run_dir, since=launched)
+            if metrics.get("status") not in ("interrupted", "completed"):
                 raise
         except distributed.WorkerFailed:
             self.ranks_record = read_metrics(self.run_dir, since=launched)
