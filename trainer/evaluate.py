@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 from pathlib import Path
 
@@ -78,7 +77,7 @@ def check_overrides(overrides: list[str]) -> None:
 
 
 def with_overrides(saved: dict, overrides: list[str]) -> TrainConfig:
-    check_overrides(overrides)
+    """The saved config with overrides that check_overrides has passed."""
     merged = OmegaConf.merge(OmegaConf.create(saved), OmegaConf.from_dotlist(overrides))
     merged.resume = None
     return to_train_config(merged)
@@ -104,7 +103,7 @@ def evaluate_run(run: str, overrides: list[str], export: ExportFormat = ExportFo
     from trainer.data import load_source, torch_loaders
     from trainer.distributed import Ranks
     from trainer.export import export_model
-    from trainer.logging import write_json_atomic
+    from trainer.logging import path_in, write_json_atomic
     from trainer.models import build_model
     from trainer.trainer import resolve_device
 
@@ -133,7 +132,7 @@ def evaluate_run(run: str, overrides: list[str], export: ExportFormat = ExportFo
     )
     folder = run_folder(path)
     result = {
-        "checkpoint": os.path.relpath(path, folder),  # relative to the run folder, as metrics.json's
+        "checkpoint": path_in(folder, path),
         "weights": weights_name,
         "epoch": state.get("epoch"),
         "step": state.get("step"),
@@ -144,7 +143,7 @@ def evaluate_run(run: str, overrides: list[str], export: ExportFormat = ExportFo
         "torch": torch.__version__,
     }
     if export is not ExportFormat.none:
-        result["export"] = str(export_model(model, export, folder).relative_to(folder))
+        result["export"] = path_in(folder, export_model(model, export, folder))
     write_json_atomic(folder / EVALUATION, result, "the evaluation", fix=ROOM)
     return result
 

@@ -44,6 +44,14 @@ def write_json_atomic(
     write_atomic(path, (json.dumps(data, indent=2, default=str) + "\n").encode(), what, fix)
 
 
+def path_in(run_dir: Path, path: Path | str) -> str:
+    """A path as the run folder's records (metrics.json, evaluation.json) write it: relative to
+    the folder where it lies inside it (the folder can move), else absolute (a checkpoint of
+    another run, maybe on another drive)."""
+    resolved, folder = Path(path).resolve(), Path(run_dir).resolve()
+    return str(resolved.relative_to(folder)) if resolved.is_relative_to(folder) else str(resolved)
+
+
 def read_metrics(run_dir: Path, since: float | None = None) -> dict:
     """A run folder's metrics.json ({} when it has none, or none written after time `since`)."""
     path = Path(run_dir) / METRICS

@@ -42,6 +42,7 @@ from trainer.logging import (
     SilentRunLog,
     console_unless_configured,
     decimal,
+    path_in,
     percent,
     read_metrics,
     write_json_atomic,
@@ -54,13 +55,6 @@ log = logging.getLogger(__name__)
 def default_run_dir() -> Path:
     now = datetime.now()
     return Path("outputs") / now.strftime("%Y-%m-%d") / now.strftime("%H-%M-%S.%f")
-
-
-def path_in(run_dir: Path, path: Path | str) -> str:
-    """A path as metrics.json records it: relative to the run folder where it lies inside it
-    (the folder can move), else absolute (a checkpoint of another run, maybe on another drive)."""
-    resolved, folder = Path(path).resolve(), run_dir.resolve()
-    return str(resolved.relative_to(folder)) if resolved.is_relative_to(folder) else str(resolved)
 
 
 def record_rejected_config(run_dir: Path, error: Exception, overrides: list[str]) -> None:
@@ -193,7 +187,7 @@ class Run:
             self.save_checkpoint()
         if self.cfg.export is not ExportFormat.none and self.parts.ranks.is_main:
             exported = export_model(self.parts.average.module, self.cfg.export, self.run_dir)
-            self.exported = str(exported.relative_to(self.run_dir))  # like evaluation.json's
+            self.exported = path_in(self.run_dir, exported)
 
     def close(self) -> dict:
         summary = self.summary(self.parts.ranks)

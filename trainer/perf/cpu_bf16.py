@@ -58,7 +58,8 @@ def bf16_conv_slowdown(repeats: int = 5) -> float:
     for attempt in range(repeats + 1):
         for bf16 in best:
             seconds = _step_seconds(weight, images, bf16)
-            best[bf16] = min(best[bf16], seconds) if attempt else best[bf16]
+            if attempt:
+                best[bf16] = min(best[bf16], seconds)
     return best[True] / max(best[False], 1e-9)
 
 
