@@ -4,6 +4,7 @@
     python scripts/bench_ddp.py --repeats 5 --epochs 3   # more runs per row
     python scripts/bench_ddp.py --groups toggles --rows bucket,view   # part of one group
     python scripts/bench_ddp.py --accuracy-root /path/to/cifar10-subset   # + DDP vs 1-GPU accuracy
+    python scripts/bench_ddp.py --groups scaling --per-gpu-batches 256,512 --interleave
 
 Row groups (--groups, each a table of its own, so that a bench too long for one sitting is
 run group by group, e.g. `probe,scaling` then `dataparallel,toggles --rows bucket,view` then
@@ -44,9 +45,17 @@ from datetime import datetime
 from pathlib import Path
 from types import SimpleNamespace
 
-from bench import REPO, SYNTHETIC, Row, run_once, run_row  # bench puts this checkout's trainer first
+from bench import (  # bench puts this checkout's trainer first
+    REPO,
+    SYNTHETIC,
+    Row,
+    row_result,
+    row_runner,
+    run_once,
+    run_row,
+)
 
-from trainer.trials import environment, fmt, spread
+from trainer.trials import environment, fmt, rounds, spread
 
 RESNET18_PARAMETERS = 11_173_962  # ResNet-18 with the CIFAR stem and 10 classes
 PROBE_BATCH = 512
@@ -67,6 +76,7 @@ TOGGLES = {
     "ddp_comm_hook=fp16": ["ddp_comm_hook=fp16"],
     "ddp_comm_hook=powersgd": ["ddp_comm_hook=powersgd"],
     "ddp_static_graph=true": ["ddp_static_graph=true"],
+    "ddp_sync=wrapper (DistributedDataParallel)": ["ddp_sync=wrapper"],
 }
 GROUPS = ("probe", "scaling", "dataparallel", "toggles")
 PROBE_BUCKETS_MB = (25.0, None)  # torch's default, then auto: the whole gradient in one bucket
@@ -103,12 +113,41 @@ def toggle_rows(gpus: int) -> list[tuple[str, int, Row]]:
 
 
 ROW_GROUPS = {"scaling": scaling_rows, "dataparallel": dataparallel_rows, "toggles": toggle_rows}
+PER_GPU_GROUPS = ("scaling", "toggles")  # DataParallel's rows set their own (whole-host) batch
 
 
-def selected_rows(groups: list[str], gpus: int, wanted: list[str]) -> list[tuple[str, int, Row]]:
-    """The groups' rows whose names contain one of `wanted` (all when empty); a 1-GPU row that
-    a kept row is measured against stays."""
-    named = {row[2].name: row for group in groups if group in ROW_GROUPS for row in ROW_GROUPS[group](gpus)}
+def at_batch(rows: list[tuple[str, int, Row]], batch: int) -> list[tuple[str, int, Row]]:
+    """The rows at `batch` images per GPU, each compared with the 1-GPU row of that batch."""
+    return [
+        (
+            f"{group}, {batch}/GPU",
+            gpus,
+            Row(f"{row.name}, {batch}/GPU", [*row.trainer, f"batch_size={batch}"]),
+        )
+        for group, gpus, row in rows
+    ]
+
+
+def group_rows(group: str, gpus: int, batches: list[int]) -> list[tuple[str, int, Row]]:
+    rows = ROW_GROUPS[group](gpus)
+    if group not in PER_GPU_GROUPS:
+        return rows
+    return [row for batch in batches for row in at_batch(rows, batch)]
+
+
+def selected_rows(
+    groups: list[str], gpus: int, wanted: list[str], batches: list[int] | None = None
+) -> list[tuple[str, int, Row]]:
+    """The groups' rows (the per-GPU ones at each of `batches` images per GPU, perf=fast's 512
+    by default) whose names contain one of `wanted` (all when empty); a 1-GPU row that a kept
+    row is measured against stays."""
+    batches = batches or [PROBE_BATCH]
+    named = {
+        row[2].name: row
+        for group in groups
+        if group in ROW_GROUPS
+        for row in group_rows(group, gpus, batches)
+    }
     rows = list(named.values())  # a 1-GPU row two groups share runs once
     kept = [row for row in rows if not wanted or any(part in row[2].name for part in wanted)]
     references = {group for group, count, _ in kept if count > 1}
@@ -259,10 +298,13 @@ def scaling(out: Path, args, rows: list[tuple[str, int, Row]]) -> list[str]:
     settings = SimpleNamespace(
         repeats=args.repeats, model="resnet18", epochs=args.epochs, row_timeout=args.row_timeout
     )
-    results = []
-    for group, gpus, row in rows:
-        result = run_row("ddp", row, settings, SYNTHETIC, out)
-        results.append({**result, "group": group, "gpus": gpus})
+    if args.interleave:
+        runners = {row.name: row_runner("ddp", row, settings, SYNTHETIC, out) for _, _, row in rows}
+        runs = rounds(runners, args.repeats)
+        measured = [row_result("ddp", row, runs[row.name]) for _, _, row in rows]
+    else:
+        measured = [run_row("ddp", row, settings, SYNTHETIC, out) for _, _, row in rows]
+    results = [{**result, "group": group, "gpus": gpus} for result, (group, gpus, _) in zip(measured, rows)]
     return scaling_table(results)
 
 
@@ -308,6 +350,14 @@ def main(argv: list[str] | None = None) -> int:
         "--groups", default="probe,scaling,dataparallel", help=f"comma-separated: {', '.join(GROUPS)}"
     )
     parser.add_argument("--rows", default=None, help="only rows whose name contains one of these (a,b)")
+    parser.add_argument(
+        "--per-gpu-batches",
+        default=str(PROBE_BATCH),
+        help="images per GPU of the scaling and toggle rows (a,b)",
+    )
+    parser.add_argument(
+        "--interleave", action="store_true", help="the rows take turns: run 1 of each, then run 2, ..."
+    )
     parser.add_argument("--probe-iterations", type=int, default=20, help="timed; after 5 warm-up")
     parser.add_argument("--accuracy-root", type=Path, help="class-folder dataset for the accuracy check")
     parser.add_argument("--accuracy-epochs", type=int, default=15)
@@ -346,7 +396,8 @@ def main(argv: list[str] | None = None) -> int:
         for bucket_mb in PROBE_BUCKETS_MB:
             text += probe_table(launch(gpus, probe_rank, (5, args.probe_iterations, bucket_mb))) + [""]
         print("\n".join(text), flush=True)
-    rows = selected_rows(groups, gpus, [part for part in (args.rows or "").split(",") if part])
+    batches = [int(batch) for batch in args.per_gpu_batches.split(",") if batch]
+    rows = selected_rows(groups, gpus, [part for part in (args.rows or "").split(",") if part], batches)
     if rows:
         text += scaling(out, args, rows) + [""]
     if args.accuracy_root:

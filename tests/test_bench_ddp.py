@@ -76,13 +76,23 @@ def test_without_cuda_it_stops_with_one_line(capsys):
 
 def test_row_groups_split_the_bench_and_keep_each_rows_reference():
     names = [row.name for _, _, row in bench_ddp.selected_rows(["toggles"], 2, ["bucket_cap"])]
-    assert names[0] == "gpu loader (perf=fast), 1 GPU"  # what the kept rows are measured against
+    assert names[0] == "gpu loader (perf=fast), 1 GPU, 512/GPU"  # what the kept rows are measured against
     assert len(names) == 3 and all("ddp_bucket_cap_mb=25" in name for name in names[1:])
     both = bench_ddp.selected_rows(["scaling", "toggles"], 2, [])
     assert len(both) == len({row.name for _, _, row in both}) == 4 + len(bench_ddp.TOGGLES)
     assert [row.name for _, _, row in bench_ddp.selected_rows(["dataparallel"], 2, [])] == [
         "DataParallel, 2 GPUs",
         "DDP, 2 GPUs",
+    ]
+
+
+def test_per_gpu_batches_give_each_batch_its_own_one_gpu_reference():
+    rows = bench_ddp.selected_rows(["scaling"], 2, ["gpu loader"], [256, 512])
+    assert [(group, gpus, row.trainer[-1]) for group, gpus, row in rows] == [
+        ("gpu loader (perf=fast), 256/GPU", 1, "batch_size=256"),
+        ("gpu loader (perf=fast), 256/GPU", 2, "batch_size=256"),
+        ("gpu loader (perf=fast), 512/GPU", 1, "batch_size=512"),
+        ("gpu loader (perf=fast), 512/GPU", 2, "batch_size=512"),
     ]
 
 

@@ -112,7 +112,13 @@ def test_accumulation_skips_the_all_reduce_between_boundaries(tmp_path):
 
     configs = {}
     for accum, images in ((1, 256), (4, 1024)):  # 8 steps of 16 x 2 ranks x accum images
-        overrides = (*DDP, f"data.train_size={images}", "batch_size=16", f"grad_accum_steps={accum}")
+        overrides = (
+            *DDP,
+            "ddp_sync=wrapper",  # the comm hook counts DistributedDataParallel's all-reduces
+            f"data.train_size={images}",
+            "batch_size=16",
+            f"grad_accum_steps={accum}",
+        )
         configs[accum] = Trainer(compose_config(*overrides), tmp_path).config
     counts = launch(2, count_gradient_syncs, (configs, str(tmp_path)))
     assert counts[1][1] == counts[4][1] == 8  # optimizer steps

@@ -15,7 +15,15 @@ from trainer.config import ConfigError, to_train_config
 from trainer.models import build_model
 from trainer.perf import bucket_cap_mb
 
-DDP = ["ddp=true", "devices=2", "deterministic=true", "data.train_size=64", "batch_size=8"]
+# ddp_sync=wrapper: the variant without a toggle is DistributedDataParallel too
+DDP = [
+    "ddp=true",
+    "ddp_sync=wrapper",
+    "devices=2",
+    "deterministic=true",
+    "data.train_size=64",
+    "batch_size=8",
+]
 VARIANTS = {
     "none": [],
     "fp16": ["ddp_comm_hook=fp16"],
@@ -138,7 +146,8 @@ def test_auto_buckets_hold_a_small_gradient_whole_and_leave_a_large_one_to_torch
     assert bucket_cap_mb(cfg, resnet18) == 44  # MiB, as DDP counts them
     assert bucket_cap_mb(cfg, large) == 25
     assert bucket_cap_mb(to_train_config(compose_config("ddp_bucket_cap_mb=100")), large) == 100
-    assert to_train_config(compose_config("perf=fast", small=False)).ddp_gradient_as_bucket_view
+    # perf=fast sets none of the wrapper's toggles, so that ddp_sync=auto averages after backward
+    assert not to_train_config(compose_config("perf=fast", small=False)).ddp_gradient_as_bucket_view
     with pytest.raises(ConfigError, match="ddp_bucket_cap_mb must be auto or a size in MB above 0"):
         to_train_config(compose_config("ddp_bucket_cap_mb=0"))
 

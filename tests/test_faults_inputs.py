@@ -307,10 +307,27 @@ DDP_TOGGLE_FAULTS = {
 }
 
 
+def test_wrapper_toggles_beside_after_backward_say_so_once(caplog):
+    caplog.set_level(logging.INFO, logger="trainer.perf")
+    overrides = (
+        "ddp=true",
+        "devices=2",
+        "ddp_sync=after_backward",
+        "ddp_comm_hook=bf16",
+        "ddp_max_restarts=1",
+    )
+    unused_ddp_toggles(config(*overrides), world_size=2)
+
+    assert [record.getMessage() for record in caplog.records] == [
+        "ddp_comm_hook=bf16 has no effect here (ddp_sync=after_backward: no DistributedDataParallel to "
+        "configure); carrying on without it"
+    ]
+
+
 @pytest.mark.parametrize(("overrides", "lines"), DDP_TOGGLE_FAULTS.values(), ids=DDP_TOGGLE_FAULTS.keys())
 def test_ddp_toggles_without_distributed_data_parallel_say_so_once(caplog, overrides, lines):
     caplog.set_level(logging.INFO, logger="trainer.perf")
-    unused_ddp_toggles(config(*overrides))
+    unused_ddp_toggles(config(*overrides), world_size=1)
 
     assert [record.getMessage() for record in caplog.records] == lines
 

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from trainer import evaluation, mfu, perf
-from trainer.config import ConfigError, FlipMode, LoaderKind, TbStep, TrainConfig
+from trainer.config import ConfigError, DdpSync, FlipMode, LoaderKind, TbStep, TrainConfig
 from trainer.data import IMAGE_SIZE, Splits, gpu_loaders, load_source, torch_loaders
 from trainer.data.augment import CropFlip
 from trainer.data.resolution import LowResEpochs
@@ -63,6 +63,8 @@ class Parts:
     model: nn.Module
     ddp_model: nn.parallel.DistributedDataParallel | None
     no_sync: ContextFactory  # around the micro-batches whose gradients are not all-reduced yet
+    average_gradients: Callable[[], None]  # before each optimizer step (ddp_sync=after_backward)
+    sync_buffers: Callable[[], None]  # at each epoch's end: the same BatchNorm statistics on every rank
     average: WeightAverage | NoAverage  # what is evaluated, checkpointed and exported
     # the step
     loss_fn: nn.Module
@@ -91,6 +93,10 @@ class Parts:
     profile: bool  # trace a few steps with torch.profiler (the run writes the trace)
     tb_x_per_step: int  # TensorBoard's x advances this much per optimizer step (tb_step)
     description: str  # device, model and data in one line, for the run's log
+
+
+def nothing() -> None:
+    """What a process alone does to average gradients or statistics over the ranks."""
 
 
 def resolve_device(spec: str, ranks: Ranks, ddp: bool) -> torch.device:
@@ -124,6 +130,8 @@ def assemble(cfg: TrainConfig, ranks: Ranks, device: torch.device) -> Parts:
     )
     optimizer = build_optimizer(cfg.optim, raw_model, perf.optimizer_kwargs(cfg), lr_peak)
     average = weight_average(cfg.ema, raw_model)
+    # several ranks without DistributedDataParallel: the gradients are averaged by hand
+    gradients_by_hand = ranks.world_size > 1 and ddp_model is None
     total_steps = step_budget(cfg, len(train_loader))
     warm_up_steps = perf.warm_up_steps(cfg, device)
     scheduler = build_scheduler(cfg.optim, optimizer, total_steps)
@@ -146,6 +154,8 @@ def assemble(cfg: TrainConfig, ranks: Ranks, device: torch.device) -> Parts:
         model=model,
         ddp_model=ddp_model,
         no_sync=ddp_model.no_sync if ddp_model is not None else contextlib.nullcontext,
+        average_gradients=perf.GradientAverage(raw_model) if gradients_by_hand else nothing,
+        sync_buffers=perf.BufferAverage([raw_model, average.module]) if ranks.world_size > 1 else nothing,
         average=average,
         loss_fn=nn.CrossEntropyLoss(label_smoothing=cfg.optim.label_smoothing),
         autocast=autocast,
@@ -221,7 +231,11 @@ def build_network(cfg: TrainConfig, ranks: Ranks, device: torch.device, splits: 
         wrapped.append(perf.distributed_data_parallel(cfg, module, device))
         return wrapped[0]
 
-    model = perf.prepare_model(cfg, raw_model, device, wrap_ddp if ranks.world_size > 1 else None)
+    sync = perf.gradient_sync(cfg, raw_model) if ranks.world_size > 1 else None
+    wrapper = wrap_ddp if sync is DdpSync.wrapper else None
+    model = perf.prepare_model(cfg, raw_model, device, wrapper, ranks.world_size)
+    if sync is DdpSync.after_backward:
+        perf.broadcast_module(raw_model)  # rank 0's initial weights, as the wrapper would
     batch_shape = (cfg.batch_size, 3, IMAGE_SIZE, IMAGE_SIZE)
     meter = mfu.meter(cfg, device, len(splits.classes), batch_shape, ranks.world_size)
     return raw_model, model, wrapped[0] if wrapped else None, meter

@@ -28,6 +28,7 @@ from trainer.config_choices import (
     DataSource,
     DdpBackend,
     DdpCommHook,
+    DdpSync,
     DecodeMode,
     ExportFormat,
     FlipMode,
@@ -173,6 +174,11 @@ class TrainConfig:
     devices: int | None = None
     ddp_backend: DdpBackend = DdpBackend.auto
     ddp_max_restarts: int = 0  # restart the ranks from the run's last checkpoint after one dies, N times
+    # How the ranks average gradients: after_backward (one all-reduce of the flat gradient after
+    # backward; the model compiles and CUDA-graphs as on one GPU), wrapper (torch's
+    # DistributedDataParallel, which the four toggles below configure), auto (after_backward
+    # unless one of those four is set, or the gradient is too large for one bucket)
+    ddp_sync: DdpSync = DdpSync.auto
     ddp_comm_hook: DdpCommHook = DdpCommHook.none  # gradient compression for DDP's all-reduce
     # DDP gradient bucket size in MB, one all-reduce per bucket; auto: the whole gradient in one
     # bucket up to 128 MB, torch's 25 MB above (trainer/perf/ddp.py says why)

@@ -94,6 +94,12 @@ class DdpBackend(Enum):
     gloo = "gloo"
 
 
+class DdpSync(Enum):
+    auto = "auto"  # after_backward, unless a setting only the wrapper reads asks for it (perf/ddp.py)
+    after_backward = "after_backward"  # one all-reduce of the flat gradient after backward, no wrapper
+    wrapper = "wrapper"  # torch's DistributedDataParallel: bucketed all-reduces during backward
+
+
 class DdpCommHook(Enum):
     none = "none"  # all-reduce the fp32 gradients as they are
     bf16 = "bf16"  # cast each gradient bucket to bf16 for the all-reduce (half the bytes)

@@ -113,6 +113,7 @@ def train_epoch(parts: Parts, progress: Progress, run: Run) -> dict:
     if window:
         loss_total += log_window(parts, progress, run, window, bar, window_started)
         micro_batches += len(window)
+    parts.sync_buffers()  # before the evaluation and checkpoint that follow an epoch or a stop
     parts.synchronize()
     epoch_s = time.perf_counter() - started
     bar.close()
@@ -129,10 +130,16 @@ def forward_backward(parts: Parts, images: torch.Tensor, labels: torch.Tensor, d
     return loss.detach(), (logits.detach().argmax(dim=1) == labels).sum()
 
 
-def optimizer_step(parts: Parts, progress: Progress) -> None:
+def apply_gradients(parts: Parts) -> None:
+    """The gradients, averaged over the ranks where the wrapper does not, into the weights."""
+    parts.average_gradients()
     parts.scaler.step(parts.optimizer)
     parts.scaler.update()
     parts.zero_grad()
+
+
+def optimizer_step(parts: Parts, progress: Progress) -> None:
+    apply_gradients(parts)
     parts.scheduler.step()
     progress.step += 1
     parts.average.after_step(progress.step)
@@ -205,9 +212,7 @@ def warm_up(parts: Parts, epoch: int, evaluate: Callable[[], dict]) -> float:
         parts.train_loader.set_epoch(first_epoch)
         for images, labels in itertools.islice(parts.train_batches, parts.warm_up_steps):
             forward_backward(parts, images, labels, 1)
-            parts.scaler.step(parts.optimizer)
-            parts.scaler.update()
-            parts.zero_grad()
+            apply_gradients(parts)
     for name, part in changed.items():
         part.load_state_dict(saved[name])
     evaluate()  # cuDNN's autotuning of the evaluation's shapes, outside time to target

@@ -12,7 +12,8 @@ A new toggle is a field in trainer/config.py and a few lines in the file of its 
                steps their autotuning (or torch.compile) calls for
   inputs.py    DataLoader workers, pinned memory, non-blocking copies, prefetching
   model.py     channels_last, DataParallel, torch.compile: the model the step calls
-  ddp.py       DistributedDataParallel and its ddp_* communication toggles
+  ddp.py       how ranks average gradients (ddp_sync): DistributedDataParallel and its ddp_*
+               communication toggles, or all_reduce.py's one all-reduce after backward
   profiler.py  torch.profiler over a few steps
   notes.py     the one log line of a toggle that cannot act here
 trainer/assembly.py calls these and hands their results to the loop, which never reads a toggle.
@@ -29,6 +30,7 @@ from collections.abc import Callable
 import torch
 
 from trainer.config import AmpDtype, TrainConfig
+from trainer.perf.all_reduce import BufferAverage, GradientAverage, broadcast_module
 from trainer.perf.backend import WARM_UP_STEPS, apply_backend_flags, warm_up_steps
 from trainer.perf.cpu_bf16 import cpu_bf16_slowdown
 from trainer.perf.ddp import (
@@ -37,6 +39,7 @@ from trainer.perf.ddp import (
     bucket_cap_mb,
     comm_hook,
     distributed_data_parallel,
+    gradient_sync,
     unused_ddp_toggles,
 )
 from trainer.perf.inputs import (
@@ -56,6 +59,7 @@ __all__ = [
     "DDP_TOGGLES",
     "DDP_WRAPPER_TOGGLES",
     "WARM_UP_STEPS",
+    "BufferAverage",
     "CudaPrefetcher",
     "Moved",
     "Profiler",
@@ -63,6 +67,7 @@ __all__ = [
     "apply_backend_flags",
     "at_default",
     "autocast_context",
+    "broadcast_module",
     "batch_mover",
     "bucket_cap_mb",
     "cannot_act",
@@ -72,6 +77,8 @@ __all__ = [
     "dataloader_kwargs",
     "device_batches",
     "distributed_data_parallel",
+    "GradientAverage",
+    "gradient_sync",
     "grad_scaler",
     "leave_stops_to_the_main_process",
     "memory_format",

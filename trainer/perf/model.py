@@ -57,13 +57,16 @@ def prepare_model(
     model: nn.Module,
     device: torch.device,
     wrap_ddp: Callable[[nn.Module], nn.Module] | None,
+    world_size: int,
 ) -> nn.Module:
-    """channels_last -> DDP or DataParallel -> compile. Returns the module the training step calls."""
+    """channels_last -> DDP or DataParallel -> compile. Returns the module the training step
+    calls. `wrap_ddp` is None where no DistributedDataParallel wraps the model: one process, or
+    ddp_sync=after_backward (trainer/perf/all_reduce.py averages the gradients then)."""
     model = model.to(device, memory_format=memory_format(cfg))
     if wrap_ddp is not None:
         model = wrap_ddp(model)
     else:
-        unused_ddp_toggles(cfg)
+        unused_ddp_toggles(cfg, world_size)
     model = data_parallel(cfg, model, device)
     if cfg.compile:
         # Static shapes: training batches all have one size (the last partial one is dropped), or

@@ -1,0 +1,110 @@
+"""Data parallelism without DistributedDataParallel's wrapper (ddp_sync=after_backward).
+
+The model the step calls is compiled exactly as on one GPU. After backward (on the last
+micro-batch of an optimizer step only) one collective averages the whole gradient, laid end to
+end in one flat buffer; at the end of every epoch another averages the BatchNorm statistics,
+so that evaluation, checkpoints and exports see the same model on every rank. At the start
+rank 0's weights are broadcast, as DistributedDataParallel does.
+
+Why by hand, beside torch's wrapper: compiling a DistributedDataParallel model hands
+torch.compile the wrapper's forward, whose BatchNorm buffers it broadcasts every step and whose
+reducer hooks run outside the graph; under compile_mode=reduce_overhead that left the step
+without its CUDA graph (README, "DDP"). The wrapper's bucketing earns nothing where the whole
+gradient is one bucket anyway (ResNet-18: 44.7 MB, one all-reduce of about 0.2 ms after
+backward on 2 H100s), which is where ddp_sync=auto picks this path (trainer/perf/ddp.py).
+
+Must not touch: which path runs (trainer/perf/ddp.py), the process group (trainer/distributed.py),
+the order of the step (trainer/loop.py calls these at its boundaries).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def memory_order(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's elements as one 1-D view, in the order they lie in memory: a copy into or
+    out of the flat buffer is then one contiguous run also for channels_last weights and their
+    gradients (a reshape would permute them, a kernel each)."""
+    dense = tensor.is_contiguous() or (
+        tensor.dim() == 4 and tensor.is_contiguous(memory_format=torch.channels_last)
+    )
+    if not dense:
+        raise ValueError(f"a tensor of strides {tensor.stride()} has no single run in memory")
+    return tensor.as_strided((tensor.numel(),), (1,))
+
+
+class FlatCollective:
+    """One collective over many tensors of one dtype: laid end to end into one buffer, reduced
+    or broadcast as one, copied back (one launch each way, whatever the tensor count)."""
+
+    def __init__(self):
+        self.world_size = dist.get_world_size()
+        # NCCL averages inside the all-reduce; gloo has no AVG, so it sums and divides after
+        self.average_op = dist.ReduceOp.AVG if dist.get_backend() == "nccl" else None
+
+    def average(self, tensors: list[torch.Tensor]) -> None:
+        for group in by_dtype(tensors):
+            views = [memory_order(tensor) for tensor in group]
+            flat = torch.cat(views)
+            if self.average_op is not None:
+                dist.all_reduce(flat, op=self.average_op)
+            else:
+                dist.all_reduce(flat)
+                flat.div_(self.world_size)
+            torch._foreach_copy_(views, flat.split([view.numel() for view in views]))
+
+    def broadcast(self, tensors: list[torch.Tensor], source: int = 0) -> None:
+        for group in by_dtype(tensors):
+            views = [memory_order(tensor) for tensor in group]
+            flat = torch.cat(views)
+            dist.broadcast(flat, src=source)
+            torch._foreach_copy_(views, flat.split([view.numel() for view in views]))
+
+
+def by_dtype(tensors: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
+    groups: dict[torch.dtype, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault(tensor.dtype, []).append(tensor)
+    return list(groups.values())
+
+
+class GradientAverage:
+    """`average_gradients()` before each optimizer step: every trainable parameter's .grad
+    becomes the mean over the ranks. A parameter this rank's step left without a gradient
+    counts as a zero gradient, so that every rank's buffer holds the same parameters."""
+
+    def __init__(self, module: nn.Module):
+        self.parameters = [param for param in module.parameters() if param.requires_grad]
+        self.collective = FlatCollective()
+
+    def __call__(self) -> None:
+        for param in self.parameters:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+        self.collective.average([param.grad for param in self.parameters])
+
+
+class BufferAverage:
+    """`sync_buffers()` at each epoch's end: the floating-point buffers (BatchNorm's running
+    mean and variance) of each module become their mean over the ranks. Integer buffers (the
+    batch counters) advance alike on every rank and are left as they are."""
+
+    def __init__(self, modules: list[nn.Module]):
+        unique = {id(buffer): buffer for module in modules for buffer in module.buffers()}
+        self.buffers = [buffer for buffer in unique.values() if buffer.is_floating_point()]
+        self.collective = FlatCollective()
+
+    def __call__(self) -> None:
+        if self.buffers:
+            self.collective.average(self.buffers)
+
+
+def broadcast_module(module: nn.Module) -> None:
+    """Rank 0's parameters and buffers on every rank, as DistributedDataParallel starts."""
+    with torch.no_grad():
+        FlatCollective().broadcast([*module.parameters(), *module.buffers()])
