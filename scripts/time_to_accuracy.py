@@ -66,23 +66,29 @@ def main() -> None:
     parser.add_argument("--row", action="append", required=True, help="NAME=OVERRIDES (repeatable)")
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated seeds for every row")
     parser.add_argument("--out", default="time_to_accuracy.jsonl", help="JSON lines, one per run")
+    parser.add_argument(
+        "--interleave", action="store_true", help="the rows take turns: seed 0 of each, then seed 1, ..."
+    )
     args = parser.parse_args()
     seeds = [int(seed) for seed in args.seeds.split(",")]
     rows = [row.partition("=")[::2] for row in args.row]
     results: dict[str, list[dict]] = {name: [] for name, _ in rows}
     workdir = Path(tempfile.mkdtemp(prefix="tta-"))
-    for name, overrides in rows:
-        for seed in seeds:
-            metrics = run_once(overrides.split(), seed, args.data_root, workdir / f"{name}-{seed}")
-            metrics.update(row=name, seed=seed)
-            results[name].append(metrics)
-            append_jsonl(Path(args.out), {k: v for k, v in metrics.items() if k != "history"})
-            print(
-                f"{name} seed {seed}: {metrics.get('status')} acc {accuracy(metrics)} "
-                f"ttt {metrics.get('time_to_target_s')} compile {metrics.get('compile_s')} "
-                f"wall {metrics.get('wall_s')} {metrics.get('error_tail', '')[-300:]}",
-                flush=True,
-            )
+    if args.interleave:
+        order = [(name, overrides, seed) for seed in seeds for name, overrides in rows]
+    else:
+        order = [(name, overrides, seed) for name, overrides in rows for seed in seeds]
+    for name, overrides, seed in order:
+        metrics = run_once(overrides.split(), seed, args.data_root, workdir / f"{name}-{seed}")
+        metrics.update(row=name, seed=seed)
+        results[name].append(metrics)
+        append_jsonl(Path(args.out), {k: v for k, v in metrics.items() if k != "history"})
+        print(
+            f"{name} seed {seed}: {metrics.get('status')} acc {accuracy(metrics)} "
+            f"ttt {metrics.get('time_to_target_s')} compile {metrics.get('compile_s')} "
+            f"wall {metrics.get('wall_s')} {metrics.get('error_tail', '')[-300:]}",
+            flush=True,
+        )
     print(
         "\n| row | seeds | mean acc | std | min | epochs to target | time to target s | train s | eval s "
         "| compile s | wall s | img/s |"
