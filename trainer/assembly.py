@@ -58,7 +58,8 @@ class Parts:
     batch_size: int  # images per micro-batch in this process
     images_per_micro_batch: int  # the same, over every process
     batches_per_epoch: int  # micro-batches of a whole epoch (a resumed one skips some)
-    # model: raw_model holds the weights; model is what the step calls (channels_last, DDP, compile)
+    # model: raw_model holds the weights; model is what the step calls, (images, labels) -> (loss,
+    # correct), with the loss inside (channels_last, DDP or DataParallel, compile)
     raw_model: nn.Module
     model: nn.Module
     ddp_model: nn.parallel.DistributedDataParallel | None
@@ -67,7 +68,6 @@ class Parts:
     sync_buffers: Callable[[], None]  # at each epoch's end: the same BatchNorm statistics on every rank
     average: WeightAverage | NoAverage  # what is evaluated, checkpointed and exported
     # the step
-    loss_fn: nn.Module
     autocast: ContextFactory
     scaler: torch.amp.GradScaler
     optimizer: torch.optim.Optimizer
@@ -157,7 +157,6 @@ def assemble(cfg: TrainConfig, ranks: Ranks, device: torch.device) -> Parts:
         average_gradients=perf.GradientAverage(raw_model) if gradients_by_hand else nothing,
         sync_buffers=perf.BufferAverage([raw_model, average.module]) if ranks.world_size > 1 else nothing,
         average=average,
-        loss_fn=nn.CrossEntropyLoss(label_smoothing=cfg.optim.label_smoothing),
         autocast=autocast,
         scaler=perf.grad_scaler(cfg, device),
         optimizer=optimizer,
@@ -233,7 +232,8 @@ def build_network(cfg: TrainConfig, ranks: Ranks, device: torch.device, splits: 
 
     sync = perf.gradient_sync(cfg, raw_model) if ranks.world_size > 1 else None
     wrapper = wrap_ddp if sync is DdpSync.wrapper else None
-    model = perf.prepare_model(cfg, raw_model, device, wrapper, ranks.world_size)
+    loss_fn = nn.CrossEntropyLoss(label_smoothing=cfg.optim.label_smoothing)
+    model = perf.prepare_model(cfg, raw_model, loss_fn, device, wrapper, ranks.world_size)
     if sync is DdpSync.after_backward:
         perf.broadcast_module(raw_model)  # rank 0's initial weights, as the wrapper would
     batch_shape = (cfg.batch_size, 3, IMAGE_SIZE, IMAGE_SIZE)

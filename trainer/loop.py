@@ -124,10 +124,11 @@ def train_epoch(parts: Parts, progress: Progress, run: Run) -> dict:
 
 def forward_backward(parts: Parts, images: torch.Tensor, labels: torch.Tensor, divisor: int):
     with parts.autocast():
-        logits = parts.model(images)
-        loss = parts.loss_fn(logits, labels)
+        loss, correct = parts.model(images, labels)
     parts.scaler.scale(loss / divisor).backward()
-    return loss.detach(), (logits.detach().argmax(dim=1) == labels).sum()
+    # Under CUDA graphs the outputs live in the graph's memory, which its next replay overwrites:
+    # the loss is read a log window later, so it is copied out; the count is added up at once.
+    return loss.detach().clone(), correct
 
 
 def apply_gradients(parts: Parts) -> None:
