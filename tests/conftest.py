@@ -160,6 +160,7 @@ SHARED_RUN_FILES = {
 LONGEST_FIRST = (
     "test_ddp",
     "test_faults",
+    "test_parallel_sweep",
     "test_recipe",
     "test_data_sources",
     "test_report",

@@ -134,7 +134,7 @@ def test_data_parallel_is_one_line_on_cpu_and_exclusive_with_ddp(tmp_path, caplo
         Trainer(compose_config("ddp=true", "devices=2", "data_parallel=true"), tmp_path / "a")
     with caplog.at_level(logging.INFO, logger="trainer.perf"):
         trainer = Trainer(compose_config("data_parallel=true", "devices=2"), tmp_path / "b").build()
-    assert trainer.model is trainer.raw_model
+    assert trainer.model.model is trainer.raw_model  # the step's forward calls it unwrapped
     assert "data_parallel=true has no effect here (it splits each batch over CUDA devices" in caplog.text
 
 

@@ -10,6 +10,7 @@ import logging
 import os
 import sys
 from datetime import datetime
+from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -17,7 +18,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from trainer import run_lock
+from trainer import parallel_jobs, run_lock, sweep_summary
 from trainer.cli_checks import CONF_DIR, check_command_line, split_command_line
 from trainer.cli_help import register_help
 from trainer.config import TrainerError, register_schema
@@ -32,22 +33,37 @@ log = logging.getLogger("trainer")
 def train(cfg: DictConfig) -> float | None:
     hydra_cfg = HydraConfig.get()
     sweep = hydra_cfg.mode == RunMode.MULTIRUN
-    return run(cfg, hydra_cfg.runtime.output_dir, list(hydra_cfg.overrides.task), sweep)
+    parallel = parallel_jobs.is_parallel(hydra_cfg.launcher.get("_target_"))
+    n_jobs = hydra_cfg.launcher.n_jobs if parallel else None
+    return run(cfg, hydra_cfg.runtime.output_dir, list(hydra_cfg.overrides.task), sweep, n_jobs)
 
 
-def run(cfg: DictConfig, run_dir: str, overrides: list[str], sweep: bool = False) -> float | None:
-    """One job in its run folder: exit 1 with one error line when it fails, 130 when stopped."""
-    from trainer.trainer import Trainer  # torch: only once the command line has passed its check
+def run(
+    cfg: DictConfig, run_dir: str, overrides: list[str], sweep: bool = False, parallel: int | None = None
+) -> float | None:
+    """One job in its run folder: exit 1 with one error line when it fails, 130 when stopped.
+    A job of a parallel sweep (`parallel`: its n_jobs) returns instead, whatever happened: its
+    metrics.json says it, and the sweep's last line reads them all (trainer/sweep_summary.py)."""
+    if parallel and sweep_summary.stop_requested(Path(run_dir).parent):
+        return None  # the sweep was stopped before this job's turn
+    # torch: only once the command line has passed its check
+    from trainer.perf.model import fresh_compile
+    from trainer.trainer import Trainer
 
+    if sweep:
+        fresh_compile()
     try:
-        with run_lock.owned(run_dir):  # taken by main() already where the command line names the folder
-            metrics = Trainer.for_run(cfg, run_dir, overrides).fit()
+        with parallel_jobs.job_resources(cfg, parallel) as job_cfg, run_lock.owned(run_dir):
+            metrics = Trainer.for_run(job_cfg, run_dir, overrides).fit()
     except TrainerError as error:
+        if parallel:
+            log.error("%s", error)
+            return None
         if sweep:
             raise  # the sweep goes on with the next job and reports this one at the end
         log.error("%s", error)
         sys.exit(1)
-    if metrics["status"] == "interrupted":
+    if metrics["status"] == "interrupted" and not parallel:
         sys.exit(130)
     return metrics["test_acc"]
 
@@ -93,9 +109,25 @@ def main() -> None:
             sys.exit(1)
     try:
         train()
+    except SystemExit as stop:
+        end_of_sweep(stop.code)
+        raise
     finally:
         if folder:
             run_lock.release(folder)
+    end_of_sweep(0)
+
+
+def end_of_sweep(code: int | str | None) -> None:
+    """After a sweep: its last line (which jobs failed or stopped) and, where the jobs returned
+    (a parallel sweep's do), the exit code that line calls for."""
+    outcome = sweep_summary.outcome()
+    if outcome is None:
+        return
+    line, sweep_code = outcome
+    print(line, file=sys.stderr if sweep_code else sys.stdout, flush=True)
+    if sweep_code and not code:
+        sys.exit(sweep_code)
 
 
 if __name__ == "__main__":

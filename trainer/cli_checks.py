@@ -86,25 +86,32 @@ def check_command_line(args: list[str]) -> None:
             "torchrun; with ddp=true each job launches its own processes"
         )
     if multirun:
-        fixed = check_sweep(overrides)
+        fixed, composed = check_sweep(overrides)
+        if "hydra/launcher=parallel" in hydra_overrides and any(cfg.ddp for cfg in composed):
+            raise ConfigError(
+                "ddp=true inside hydra/launcher=parallel: each job holds one GPU, and a DDP job "
+                "would launch ranks onto GPUs the other jobs hold. Run a DDP sweep without "
+                "hydra/launcher=parallel (its jobs then take turns, each on every GPU)"
+            )
     else:
         check_composition(overrides)
         fixed = overrides
     check_output_folder([*fixed, *hydra_overrides], multirun)
 
 
-def check_sweep(overrides: list[str]) -> list[str]:
-    """Each swept value, composed with the fixed overrides; returns the fixed ones."""
+def check_sweep(overrides: list[str]) -> tuple[list[str], list[TrainConfig]]:
+    """Each swept value, composed with the fixed overrides; returns the fixed ones and the
+    configs composed."""
     parsed = OverridesParser.create().parse_overrides(overrides)
     fixed = [override.input_line for override in parsed if not override.is_sweep_override()]
-    check_composition(fixed)
+    composed = [check_composition(fixed)]
     for override in parsed:
         if not override.is_sweep_override() or override.is_interval_sweep():
             continue  # an interval is an optimizer's search space: the schema checks each job
         key = override.get_key_element()
         for value in override.sweep_string_iterator():
-            check_composition([*fixed, f"{key}={value}"])
-    return fixed
+            composed.append(check_composition([*fixed, f"{key}={value}"]))
+    return fixed, composed
 
 
 def check_composition(overrides: list[str]) -> TrainConfig:

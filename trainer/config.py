@@ -42,6 +42,7 @@ from trainer.config_choices import (
 )
 from trainer.errors import ConfigError, TrainerError  # noqa: F401 - imported from here across the package
 from trainer.job_names import job_dir_name
+from trainer.parallel_jobs import default_jobs
 
 
 @dataclass
@@ -196,6 +197,7 @@ def register_schema() -> None:
     """Register the schema with Hydra so that conf/ files are type-checked against it, and the
     resolver that names sweep job folders (conf/config.yaml)."""
     OmegaConf.register_new_resolver("trainer_job_dir", job_dir_name, replace=True)
+    OmegaConf.register_new_resolver("trainer_parallel_jobs", default_jobs, replace=True)
     store = ConfigStore.instance()
     store.store(name="train_schema", node=TrainConfig)
     store.store(group="model", name="model_schema", node=ModelConfig)

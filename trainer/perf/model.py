@@ -95,6 +95,15 @@ def prepare_model(
     return forward
 
 
+def fresh_compile() -> None:
+    """Before each job of a sweep that runs in a process other jobs ran in (the basic launcher's
+    one process, a parallel sweep's reused workers): forget what they compiled. Each job then
+    compiles its own model (from torch's on-disk caches, where warm), its CUDA graphs' memory
+    goes with the job before, and no job meets dynamo's recompile limit, past which a job
+    would run eagerly without a word beside compiled ones."""
+    torch._dynamo.reset()
+
+
 def compile_mode(cfg: TrainConfig, device: torch.device) -> str:
     """torch.compile's mode: reduce-overhead's CUDA graphs need CUDA, elsewhere the default mode."""
     if device.type != "cuda":

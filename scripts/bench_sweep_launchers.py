@@ -1,0 +1,103 @@
+"""One sweep under Hydra's basic launcher (jobs one after another, in one process) and under
+hydra/launcher=parallel (jobs side by side), taking turns, in one run: wall time per launcher,
+the ratio, and each launcher's median images/s per job (a job beside another may run slower
+than alone: the table shows by how much).
+
+    python scripts/bench_sweep_launchers.py --n-jobs 2 --repeats 3
+    python scripts/bench_sweep_launchers.py --n-jobs 2 -- model=fastcnn perf=fast recipe=fastcnn_94 \
+        data=imagefolder data.root=~/cifar10 seed=0,1,2,3
+
+The sweep is the overrides after `--` (default: 4 seeds of the cnn on synthetic data).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_SWEEP = [
+    "model=cnn",
+    "data=synthetic",
+    "data.train_size=4096",
+    "data.test_size=512",
+    "batch_size=64",
+    "epochs=2",
+    "seed=0,1,2,3",
+]
+
+
+def run_sweep(launcher: list[str], sweep: list[str], folder: Path) -> dict:
+    """One sweep in its own process: wall seconds, exit code, each job's images/s."""
+    env = {**os.environ, "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}"}
+    started = time.perf_counter()
+    result = subprocess.run(
+        [sys.executable, "-m", "trainer", "-m", *launcher, *sweep, f"hydra.sweep.dir={folder}"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    wall = time.perf_counter() - started
+    rates = []
+    for metrics in sorted(folder.glob("*/metrics.json")):
+        rate = json.loads(metrics.read_text()).get("img_per_s")
+        if rate:
+            rates.append(rate)
+    tail = result.stderr.strip().splitlines()[-1:] if result.returncode else []
+    return {"wall_s": wall, "returncode": result.returncode, "img_per_s": rates, "tail": tail}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--n-jobs", type=int, default=2, help="hydra.launcher.n_jobs of the parallel sweep")
+    parser.add_argument("--repeats", type=int, default=3, help="sweeps per launcher, taking turns")
+    parser.add_argument("sweep", nargs="*", help="the sweep's overrides (after --)")
+    args = parser.parse_args(argv)
+    sweep = args.sweep or DEFAULT_SWEEP
+    launchers = {
+        "basic (one after another)": [],
+        f"parallel, n_jobs={args.n_jobs}": [
+            "hydra/launcher=parallel",
+            f"hydra.launcher.n_jobs={args.n_jobs}",
+        ],
+    }
+    results: dict[str, list[dict]] = {name: [] for name in launchers}
+    with tempfile.TemporaryDirectory(prefix="bench-launchers-") as root:
+        for index in range(args.repeats):
+            for number, (name, launcher) in enumerate(launchers.items()):
+                run = run_sweep(launcher, sweep, Path(root) / f"{number}-{index}")
+                results[name].append(run)
+                print(
+                    f"  {name} | sweep {index + 1}: {run['wall_s']:.1f} s, exit {run['returncode']}",
+                    flush=True,
+                )
+                if run["returncode"]:
+                    print(f"  {run['tail']}", file=sys.stderr)
+    print(f"\nsweep: {' '.join(sweep)}; {os.cpu_count()} cores, {args.repeats} sweep(s) per launcher\n")
+    print("| launcher | wall s (median) | spread | vs basic | images/s per job (median) |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    basic = None
+    for name, runs in results.items():
+        walls = [run["wall_s"] for run in runs]
+        median = statistics.median(walls)
+        basic = basic or median
+        rates = [rate for run in runs for rate in run["img_per_s"]]
+        rate = f"{statistics.median(rates):,.0f}" if rates else "-"
+        print(
+            f"| {name} | {median:.1f} | {min(walls):.1f}-{max(walls):.1f} | {median / basic:.2f}x | {rate} |"
+        )
+    return 0 if all(run["returncode"] == 0 for runs in results.values() for run in runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""hydra/launcher=parallel: a sweep's jobs side by side, on hydra-joblib-launcher's process pool.
+
+    python -m trainer -m hydra/launcher=parallel seed=0,1,2,3        # one job per GPU at a time
+    python -m trainer -m hydra/launcher=parallel hydra.launcher.n_jobs=2 amp=false,true   # on a CPU
+
+The engine is Hydra's joblib launcher (joblib's loky workers: processes that the pool starts,
+reuses and stops); what it does not know about, this module adds around each job:
+  - n_jobs defaults to the GPUs of the host, or 1 without one (`default_jobs`, a resolver);
+  - each job holds one GPU for its whole run: a lock per GPU, host-wide, taken before training
+    and freed after, so two jobs never share a GPU whatever the pool does (`gpu_slot`);
+  - on a CPU each job gets its share of the cores as torch threads (`threads_per_job`);
+  - a sweep job ends by returning, never by exiting its worker: the parent reads every job's
+    metrics.json at the end and says which failed or stopped (trainer/sweep_summary.py).
+Owns: those four. Must not touch: what a job trains (trainer/trainer.py), the run folder.
+No torch at import: the resolver runs in the parent, before any job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+LAUNCHER_TARGET = "hydra_plugins.hydra_joblib_launcher.joblib_launcher.JoblibLauncher"
+SLOT_WAIT_S = 0.5
+
+
+def visible_gpus() -> int:
+    """The GPUs a job here could use, counted without starting CUDA (torch only where an NVIDIA
+    driver is loaded, so that a CPU host's sweep does not wait for torch to import)."""
+    if not Path("/proc/driver/nvidia").exists() and "CUDA_VISIBLE_DEVICES" not in os.environ:
+        return 0
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def default_jobs() -> int:
+    """hydra.launcher.n_jobs when not given: one job per GPU, or 1 on a host without one."""
+    return max(1, visible_gpus())
+
+
+def is_parallel(launcher_target: str | None) -> bool:
+    return launcher_target == LAUNCHER_TARGET
+
+
+def threads_per_job(n_jobs: int) -> int:
+    """Each job's torch threads on a CPU: the cores shared out, at least one."""
+    return max(1, len(os.sched_getaffinity(0)) // max(1, n_jobs))
+
+
+def slot_folder() -> Path:
+    """Host-wide, per user: two sweeps on one host also keep to a GPU each."""
+    folder = Path(tempfile.gettempdir()) / f"trainer-gpu-slots-{os.getuid()}"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+@contextlib.contextmanager
+def gpu_slot(gpus: int, folder: Path | None = None) -> Iterator[int]:
+    """The index of a GPU no other job holds, held until the block ends; waits while every GPU
+    is held (more jobs than GPUs). The lock is the kernel's flock, so it ends with the process
+    that held it, however that process ends."""
+    folder = folder or slot_folder()
+    while True:
+        for index in range(gpus):
+            descriptor = os.open(folder / f"gpu{index}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as error:
+                os.close(descriptor)
+                if error.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                    raise
+                continue
+            try:
+                yield index
+            finally:
+                fcntl.flock(descriptor, fcntl.LOCK_UN)
+                os.close(descriptor)
+            return
+        time.sleep(SLOT_WAIT_S)
+
+
+@contextlib.contextmanager
+def job_resources(cfg: DictConfig, n_jobs: int | None) -> Iterator[DictConfig]:
+    """A parallel sweep's job (`n_jobs` set) with what it may use: a GPU of its own where the
+    job would run on CUDA, else its share of the CPU threads. Other runs: as they are."""
+    if n_jobs is None:
+        yield cfg
+        return
+    import torch
+
+    gpus = torch.cuda.device_count() if cfg.device in ("auto", "cuda") else 0
+    if gpus == 0:
+        torch.set_num_threads(threads_per_job(n_jobs))
+        yield cfg
+        return
+    with gpu_slot(gpus) as index:
+        torch.cuda.set_device(index)
+        cfg.device = f"cuda:{index}"  # metrics.json records it
+        try:
+            yield cfg
+        finally:
+            torch.cuda.empty_cache()  # this worker's cached memory, before another job takes the GPU

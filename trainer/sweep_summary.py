@@ -1,0 +1,94 @@
+"""The last line of a sweep: how many jobs completed, which failed or stopped, and the exit code.
+
+    sweep: 3 of 4 jobs completed; failed: 2_seed=2 (no class folders in ...) | outputs/multirun/...
+
+A Hydra callback notes the sweep folder in the process that launches the jobs (on_multirun_start
+runs there, whichever launcher); once the sweep is over, `outcome()` reads each job's
+metrics.json, which every job writes whether it completed, failed or was stopped. Under
+hydra/launcher=parallel the callback also takes SIGINT and SIGTERM in that process: no job starts
+after them, and each running job is asked to stop at its next step and save, as a single run
+is (its owner's pid is in the job's run.lock), so that the sweep ends with every finished job
+and every stopped job's checkpoint kept.
+
+Owns: the sweep's last line, its exit code, the parallel sweep's stop. Must not touch: the jobs
+themselves (trainer/__main__.py runs each), the launchers (Hydra's).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+from pathlib import Path
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+from trainer import parallel_jobs
+
+STOP_FLAG = ".stop"  # in the sweep folder: jobs that have not started yet do not
+EXIT_FAILED, EXIT_STOPPED = 1, 130
+
+_sweep_dir: Path | None = None  # the sweep this process launched, once it has started
+
+
+class SweepSummary(Callback):
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        global _sweep_dir
+        _sweep_dir = Path(str(config.hydra.sweep.dir))
+        if parallel_jobs.is_parallel(config.hydra.launcher.get("_target_")):
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(signum, stop_parallel_sweep)
+
+
+def stop_requested(sweep_dir: Path) -> bool:
+    return (sweep_dir / STOP_FLAG).exists()
+
+
+def stop_parallel_sweep(signum: int, _frame) -> None:
+    """No more jobs start; the running ones stop at a step and save."""
+    if _sweep_dir is None:
+        return
+    (_sweep_dir / STOP_FLAG).touch()
+    for lock in _sweep_dir.glob("*/run.lock"):
+        with contextlib.suppress(OSError, ValueError, json.JSONDecodeError):
+            owner = json.loads(lock.read_text())
+            if owner.get("host") in (None, os.uname().nodename):
+                os.kill(int(owner["pid"]), signal.SIGTERM)
+
+
+def job_status(folder: Path) -> tuple[str, str]:
+    """(completed | failed | interrupted | running | not run, the error if any)."""
+    try:
+        metrics = json.loads((folder / "metrics.json").read_text())
+    except (OSError, ValueError):
+        return "not run", ""
+    if not isinstance(metrics, dict):
+        return "failed", "metrics.json is not an object"
+    return str(metrics.get("status", "failed")), str(metrics.get("error") or "")
+
+
+def outcome() -> tuple[str, int] | None:
+    """(the sweep's last line, its exit code), or None where no sweep ran in this process."""
+    if _sweep_dir is None or not _sweep_dir.is_dir():
+        return None
+    jobs = sorted(
+        (folder for folder in _sweep_dir.iterdir() if (folder / ".hydra").is_dir()),
+        key=lambda folder: (len(folder.name.split("_")[0]), folder.name),
+    )
+    statuses = {folder.name: job_status(folder) for folder in jobs}
+    completed = sum(status == "completed" for status, _ in statuses.values())
+    stopped = [name for name, (status, _) in statuses.items() if status in ("interrupted", "not run")]
+    failed = [  # "running" after the sweep: a job that died before it could say why
+        f"{name} ({error.splitlines()[0][:120]})" if error else name
+        for name, (status, error) in statuses.items()
+        if status != "completed" and name not in stopped
+    ]
+    parts = [f"sweep: {completed} of {len(jobs)} jobs completed"]
+    if failed:
+        parts.append("failed: " + ", ".join(failed))
+    if stopped:
+        parts.append("stopped or not run: " + ", ".join(stopped))
+    code = EXIT_FAILED if failed else EXIT_STOPPED if stopped else 0
+    return "; ".join(parts) + f" | {_sweep_dir}", code
