@@ -120,6 +120,35 @@ def test_sigterm_stops_every_job_keeps_their_checkpoints_and_leaves_no_process(t
         assert (job / "checkpoints" / "last.pt").is_file()
     assert not (sweep_job(tmp_path / "sweep", 2) / "metrics.json").exists()  # never started
     assert seen and all(ends_soon(pid) for pid in seen)
+    # the printed hints work pasted into bash: the stopped job's resume, the sweep's report
+    job = sweep_job(tmp_path / "sweep", 0)
+    [hint] = [
+        line.split("Continue with ", 1)[1]
+        for line in (job / JOB_LOG).read_text().splitlines()
+        if "Continue with" in line
+    ]
+    assert hint == f"\"resume='{job}'\""  # the folder's name holds '='
+    job_overrides = " ".join(o for o in overrides if not o.startswith(("seed=", "hydra."))) + " seed=0"
+    resumed = subprocess.run(
+        ["bash", "-c", f"{sys.executable} -m trainer {job_overrides} hydra.run.dir=resumed {hint}"],
+        cwd=tmp_path,
+        env=cli_environment(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert read_metrics(tmp_path / "resumed")["status"] == "completed"
+    report = subprocess.run(
+        ["bash", "-c", stderr.strip().splitlines()[-1].split(" | ", 1)[1]],
+        cwd=tmp_path,
+        env=cli_environment(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert report.returncode == 0, report.stderr[-2000:]
+    assert (tmp_path / "sweep" / "report.md").is_file()
 
 
 def test_each_job_holds_a_gpu_of_its_own(tmp_path):
@@ -156,17 +185,17 @@ def compiled_job(run_dir: Path, batch_size: int, fresh: bool) -> dict:
     return {key: counters["frames"][key] - before.get(key, 0) for key in ("total", "ok")}
 
 
-def test_a_sweep_job_compiles_afresh_where_it_would_have_run_eagerly(tmp_path, monkeypatch):
+def test_a_sweep_job_compiles_afresh_where_it_would_have_run_eagerly(tmp_path):
     """With dynamo's recompile limit at 1 (torch's is 8: an ablation of more settings meets it),
     a second compiled job of another batch size in the same process runs eagerly, without a
     word, unless the job starts with fresh_compile, as every sweep job does."""
     import torch._dynamo
 
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
     torch._dynamo.reset()
-    compiled_job(tmp_path / "a", 16, fresh=False)
-    fallback = compiled_job(tmp_path / "b", 32, fresh=False)
-    assert fallback["ok"] < fallback["total"], "the control: this job should have run eagerly"
-    afresh = compiled_job(tmp_path / "c", 32, fresh=True)
-    assert afresh["ok"] == afresh["total"] >= 1
+    with torch._dynamo.config.patch(recompile_limit=1):
+        compiled_job(tmp_path / "a", 16, fresh=False)
+        fallback = compiled_job(tmp_path / "b", 32, fresh=False)
+        assert fallback["ok"] < fallback["total"], "the control: this job should have run eagerly"
+        afresh = compiled_job(tmp_path / "c", 32, fresh=True)
+        assert afresh["ok"] == afresh["total"] >= 1
     torch._dynamo.reset()

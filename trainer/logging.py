@@ -11,6 +11,7 @@ import contextlib
 import json
 import logging
 import re
+import shlex
 import sys
 import threading
 from collections.abc import Iterator
@@ -50,6 +51,22 @@ def path_in(run_dir: Path, path: Path | str) -> str:
     another run, maybe on another drive)."""
     resolved, folder = Path(path).resolve(), Path(run_dir).resolve()
     return str(resolved.relative_to(folder)) if resolved.is_relative_to(folder) else str(resolved)
+
+
+# A value Hydra's override parser reads as it stands and bash passes unchanged.
+PLAIN_VALUE = re.compile(r"[\w/.+@%:-]+")
+
+
+def shell_override(key: str, value: object) -> str:
+    """key=value as a hint prints it, to work pasted into bash: as it stands where the value is
+    plain; else quoted for Hydra (a sweep job's folder holds `=`, which its parser refuses bare)
+    and that quoted for the shell: "resume='outputs/multirun/.../1_seed=1'"."""
+    text = str(value)
+    if PLAIN_VALUE.fullmatch(text):
+        return f"{key}={text}"
+    escaped = text.replace("\\", "\\\\").replace("'", "\\'")
+    override = f"{key}='{escaped}'"
+    return f'"{override}"' if not set('$`"\\!') & set(override) else shlex.quote(override)
 
 
 def read_metrics(run_dir: Path, since: float | None = None) -> dict:

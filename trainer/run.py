@@ -45,6 +45,7 @@ from trainer.logging import (
     path_in,
     percent,
     read_metrics,
+    shell_override,
     write_json_atomic,
 )
 from trainer.progress import Progress
@@ -174,11 +175,11 @@ class Run:
             self.status = "interrupted"
             self.save_checkpoint()
             log.warning(
-                "stopped by %s at step %d%s; checkpoint saved. Continue with resume=%s",
+                "stopped by %s at step %d%s; checkpoint saved. Continue with %s",
                 self.stop_signal,
                 self.progress.step,
                 "" if self.stop_asked_at is None else f" (asked at step {self.stop_asked_at})",
-                self.run_dir,
+                shell_override("resume", self.run_dir),
             )
             return
         self.status = "completed"

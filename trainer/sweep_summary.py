@@ -1,6 +1,6 @@
 """The last line of a sweep: how many jobs completed, which failed or stopped, and the exit code.
 
-    sweep: 3 of 4 jobs completed; failed: 2_seed=2 (no class folders in ...) | outputs/multirun/...
+    sweep: 3 of 4 jobs completed; failed: 2_seed=2 (no class folders ...) | python -m trainer.report DIR
 
 A Hydra callback notes the sweep folder in the process that launches the jobs (on_multirun_start
 runs there, whichever launcher); once the sweep is over, `outcome()` reads each job's
@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import signal
 from pathlib import Path
 
@@ -91,4 +92,4 @@ def outcome() -> tuple[str, int] | None:
     if stopped:
         parts.append("stopped or not run: " + ", ".join(stopped))
     code = EXIT_FAILED if failed else EXIT_STOPPED if stopped else 0
-    return "; ".join(parts) + f" | {_sweep_dir}", code
+    return "; ".join(parts) + f" | python -m trainer.report {shlex.quote(str(_sweep_dir))}", code
