@@ -92,6 +92,13 @@ def descendants(pid: int) -> set[int]:
     return found
 
 
+def in_bash(command: str, cwd: Path) -> subprocess.CompletedProcess:
+    """A printed line, pasted into bash as it stands."""
+    return subprocess.run(
+        ["bash", "-c", command], cwd=cwd, env=cli_environment(), capture_output=True, text=True, timeout=300
+    )
+
+
 def test_sigterm_stops_every_job_keeps_their_checkpoints_and_leaves_no_process(tmp_path):
     """Three jobs of 1,024 steps, two at a time; SIGTERM once both have begun training."""
     overrides = [*SWEEP_SMALL, "data.train_size=4096", "batch_size=4", "seed=0,1,2", "hydra.sweep.dir=sweep"]
@@ -129,24 +136,10 @@ def test_sigterm_stops_every_job_keeps_their_checkpoints_and_leaves_no_process(t
     ]
     assert hint == f"\"resume='{job}'\""  # the folder's name holds '='
     job_overrides = " ".join(o for o in overrides if not o.startswith(("seed=", "hydra."))) + " seed=0"
-    resumed = subprocess.run(
-        ["bash", "-c", f"{sys.executable} -m trainer {job_overrides} hydra.run.dir=resumed {hint}"],
-        cwd=tmp_path,
-        env=cli_environment(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    resumed = in_bash(f"{sys.executable} -m trainer {job_overrides} hydra.run.dir=resumed {hint}", tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert read_metrics(tmp_path / "resumed")["status"] == "completed"
-    report = subprocess.run(
-        ["bash", "-c", stderr.strip().splitlines()[-1].split(" | ", 1)[1]],
-        cwd=tmp_path,
-        env=cli_environment(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    report = in_bash(stderr.strip().splitlines()[-1].split(" | ", 1)[1], tmp_path)
     assert report.returncode == 0, report.stderr[-2000:]
     assert (tmp_path / "sweep" / "report.md").is_file()
 

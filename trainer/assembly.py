@@ -119,19 +119,10 @@ def assemble(cfg: TrainConfig, ranks: Ranks, device: torch.device) -> Parts:
     splits, train_loader, train_batches, test_batches = build_data(cfg, ranks, device)
     raw_model, model, ddp_model, meter = build_network(cfg, ranks, device, splits)
     global_batch = cfg.batch_size * ranks.world_size * cfg.grad_accum_steps
-    lr_peak = peak_lr(cfg.optim, global_batch)
-    log.info(
-        "peak lr %.4g: optim.lr=%g for optim.lr_base_batch=%d, scaled (%s) to the global batch %d",
-        lr_peak,
-        cfg.optim.lr,
-        cfg.optim.lr_base_batch,
-        scaling_rule(cfg.optim).value,
-        global_batch,
-    )
+    lr_peak = logged_peak_lr(cfg, global_batch)
     optimizer = build_optimizer(cfg.optim, raw_model, perf.optimizer_kwargs(cfg), lr_peak)
     average = weight_average(cfg.ema, raw_model)
-    # several ranks without DistributedDataParallel: the gradients are averaged by hand
-    gradients_by_hand = ranks.world_size > 1 and ddp_model is None
+    average_gradients, sync_buffers = averages_over_ranks(ranks, raw_model, ddp_model, average)
     total_steps = step_budget(cfg, len(train_loader))
     warm_up_steps = perf.warm_up_steps(cfg, device)
     scheduler = build_scheduler(cfg.optim, optimizer, total_steps)
@@ -154,8 +145,8 @@ def assemble(cfg: TrainConfig, ranks: Ranks, device: torch.device) -> Parts:
         model=model,
         ddp_model=ddp_model,
         no_sync=ddp_model.no_sync if ddp_model is not None else contextlib.nullcontext,
-        average_gradients=perf.GradientAverage(raw_model) if gradients_by_hand else nothing,
-        sync_buffers=perf.BufferAverage([raw_model, average.module]) if ranks.world_size > 1 else nothing,
+        average_gradients=average_gradients,
+        sync_buffers=sync_buffers,
         average=average,
         autocast=autocast,
         scaler=perf.grad_scaler(cfg, device),
@@ -239,6 +230,30 @@ def build_network(cfg: TrainConfig, ranks: Ranks, device: torch.device, splits: 
     batch_shape = (cfg.batch_size, 3, IMAGE_SIZE, IMAGE_SIZE)
     meter = mfu.meter(cfg, device, len(splits.classes), batch_shape, ranks.world_size)
     return raw_model, model, wrapped[0] if wrapped else None, meter
+
+
+def logged_peak_lr(cfg: TrainConfig, global_batch: int) -> float:
+    """optim.lr scaled to the global batch, said in the run's log."""
+    lr_peak = peak_lr(cfg.optim, global_batch)
+    log.info(
+        "peak lr %.4g: optim.lr=%g for optim.lr_base_batch=%d, scaled (%s) to the global batch %d",
+        lr_peak,
+        cfg.optim.lr,
+        cfg.optim.lr_base_batch,
+        scaling_rule(cfg.optim).value,
+        global_batch,
+    )
+    return lr_peak
+
+
+def averages_over_ranks(ranks: Ranks, raw_model: nn.Module, ddp_model, average) -> tuple[Callable, Callable]:
+    """(average the gradients, average the BatchNorm statistics) over the ranks: the gradients
+    by hand where no DistributedDataParallel does it (ddp_sync=after_backward), the statistics
+    wherever there are ranks; nothing in one process."""
+    if ranks.world_size == 1:
+        return nothing, nothing
+    gradients = perf.GradientAverage(raw_model) if ddp_model is None else nothing
+    return gradients, perf.BufferAverage([raw_model, average.module])
 
 
 def step_budget(cfg: TrainConfig, micro_batches_per_epoch: int) -> int:
