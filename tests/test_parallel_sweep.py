@@ -162,6 +162,12 @@ def test_cpu_jobs_share_the_cores_and_default_to_one_at_a_time():
         assert default_jobs() == 1
 
 
+def linear_model(num_classes: int) -> torch.nn.Module:
+    """model.target of the compile test: the least there is to compile (the cnn took 15 s a
+    compile on a CPU with torch's caches cold)."""
+    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 32 * 32, num_classes))
+
+
 def compiled_job(run_dir: Path, batch_size: int, fresh: bool) -> dict:
     """One compiled run in this process, as a sweep job runs it: the frames dynamo was asked to
     compile and those it compiled (fewer: a job that ran eagerly)."""
@@ -173,7 +179,8 @@ def compiled_job(run_dir: Path, batch_size: int, fresh: bool) -> dict:
     if fresh:
         fresh_compile()
     before = dict(counters["frames"])
-    overrides = ["compile=true", "max_steps=1", "data.train_size=64", "data.test_size=32"]
+    overrides = ["model.target=test_parallel_sweep:linear_model", "compile=true", "max_steps=1"]
+    overrides += ["data.train_size=64", "data.test_size=32"]
     Trainer(compose_config(*overrides, f"batch_size={batch_size}"), run_dir).fit()
     return {key: counters["frames"][key] - before.get(key, 0) for key in ("total", "ok")}
 
