@@ -61,9 +61,10 @@ def gradient_sync(cfg: TrainConfig, module: nn.Module) -> DdpSync:
     reads is set (the user asked for the wrapper) or the gradient is larger than one bucket,
     where the wrapper's per-bucket all-reduces overlap a backward long enough to hide them.
 
-    after_backward is the default because compiling the wrapped model cost the CUDA graphs of
-    compile_mode=reduce_overhead: on 2 H100s (ResNet-18, perf=fast, 256 images per GPU) the
-    wrapper ran at 47.7% per GPU (README, "DDP")."""
+    after_backward is the default because the wrapped model compiles with a graph break at the
+    wrapper's forward and the wrapper's work on the host every step: on 2 H100s (ResNet-18,
+    perf=fast, 256 images per GPU) the wrapper ran at 47.7% per GPU, after_backward at 85.4%
+    (README, "Scaling out")."""
     if cfg.ddp_sync is not DdpSync.auto:
         return cfg.ddp_sync
     if changed_toggles(cfg, DDP_WRAPPER_TOGGLES) or gradient_mb(module) > ONE_BUCKET_UP_TO_MB:
