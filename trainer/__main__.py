@@ -53,6 +53,7 @@ def run(
     if sweep:
         fresh_compile()
     try:
+        # the folder's lock: taken by main() already where the command line names the folder
         with parallel_jobs.job_resources(cfg, parallel) as job_cfg, run_lock.owned(run_dir):
             metrics = Trainer.for_run(job_cfg, run_dir, overrides).fit()
     except TrainerError as error:
