@@ -97,7 +97,7 @@ def job_resources(cfg: DictConfig, n_jobs: int | None) -> Iterator[DictConfig]:
         return
     import torch
 
-    gpus = torch.cuda.device_count() if cfg.device in ("auto", "cuda") else 0
+    gpus = visible_gpus() if cfg.device in ("auto", "cuda") else 0
     if gpus == 0:
         torch.set_num_threads(threads_per_job(n_jobs))
         yield cfg

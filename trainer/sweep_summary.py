@@ -21,6 +21,7 @@ import json
 import os
 import shlex
 import signal
+import socket
 from pathlib import Path
 
 from hydra.experimental.callback import Callback
@@ -55,7 +56,7 @@ def stop_parallel_sweep(signum: int, _frame) -> None:
     for lock in _sweep_dir.glob("*/run.lock"):
         with contextlib.suppress(OSError, ValueError, json.JSONDecodeError):
             owner = json.loads(lock.read_text())
-            if owner.get("host") in (None, os.uname().nodename):
+            if owner.get("host") in (None, socket.gethostname()):  # as run_lock names it
                 os.kill(int(owner["pid"]), signal.SIGTERM)
 
 

@@ -21,7 +21,7 @@ the order of the step (trainer/loop.py calls these at its boundaries).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -50,21 +50,25 @@ class FlatCollective:
         self.average_op = dist.ReduceOp.AVG if dist.get_backend() == "nccl" else None
 
     def average(self, tensors: list[torch.Tensor]) -> None:
-        for group in by_dtype(tensors):
-            views = [memory_order(tensor) for tensor in group]
-            flat = torch.cat(views)
-            if self.average_op is not None:
-                dist.all_reduce(flat, op=self.average_op)
-            else:
-                dist.all_reduce(flat)
-                flat.div_(self.world_size)
-            torch._foreach_copy_(views, flat.split([view.numel() for view in views]))
+        self.through_flat(tensors, self.average_flat)
 
     def broadcast(self, tensors: list[torch.Tensor], source: int = 0) -> None:
+        self.through_flat(tensors, lambda flat: dist.broadcast(flat, src=source))
+
+    def average_flat(self, flat: torch.Tensor) -> None:
+        if self.average_op is not None:
+            dist.all_reduce(flat, op=self.average_op)
+        else:
+            dist.all_reduce(flat)
+            flat.div_(self.world_size)
+
+    @staticmethod
+    def through_flat(tensors: list[torch.Tensor], collective: Callable[[torch.Tensor], None]) -> None:
+        """Per dtype: the tensors laid end to end, the collective on that buffer, copied back."""
         for group in by_dtype(tensors):
             views = [memory_order(tensor) for tensor in group]
             flat = torch.cat(views)
-            dist.broadcast(flat, src=source)
+            collective(flat)
             torch._foreach_copy_(views, flat.split([view.numel() for view in views]))
 
 
