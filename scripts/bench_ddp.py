@@ -13,6 +13,7 @@ run group by group, e.g. `probe,scaling` then `dataparallel,toggles --rows bucke
   probe         the communication probe, with torch's 25 MB buckets and with the default
                 ddp_bucket_cap_mb=auto (the whole gradient in one bucket)
   scaling       perf=fast, and perf=fast data.loader=torch, on 1 and N GPUs
+  step_graph    the scaling rows with step_graph=true
   dataparallel  DataParallel beside DDP at the same settings (compile off)
   toggles       each ddp_* toggle changed from perf=fast's defaults on N GPUs, beside the
                 1-GPU row it is measured against
@@ -63,6 +64,7 @@ LOADERS = {
     "gpu loader (perf=fast)": ["perf=fast"],
     "torch DataLoader (perf=fast data.loader=torch)": ["perf=fast", "data.loader=torch"],
 }
+STEP_GRAPH = ["step_graph=true"]
 NO_COMPILE = ["perf=fast", "compile=false"]
 # Each changed from perf=fast's DDP defaults (ddp_bucket_cap_mb=auto, bucket views on).
 TOGGLES = {
@@ -78,7 +80,7 @@ TOGGLES = {
     "ddp_static_graph=true": ["ddp_static_graph=true"],
     "ddp_sync=wrapper (DistributedDataParallel)": ["ddp_sync=wrapper"],
 }
-GROUPS = ("probe", "scaling", "dataparallel", "toggles")
+GROUPS = ("probe", "scaling", "step_graph", "dataparallel", "toggles")
 PROBE_BUCKETS_MB = (25.0, None)  # torch's default, then auto: the whole gradient in one bucket
 
 
@@ -90,6 +92,14 @@ def scaling_rows(gpus: int) -> list[tuple[str, int, Row]]:
         ddp = ["ddp=true", f"devices={gpus}"]
         rows.append((loader, gpus, Row(f"{loader}, {gpus} GPUs", [*overrides, *ddp])))
     return rows
+
+
+def step_graph_rows(gpus: int) -> list[tuple[str, int, Row]]:
+    """The scaling rows with the step captured as one CUDA graph (step_graph=true)."""
+    return [
+        (f"{group}, step graph", count, Row(row.name.replace(")", " step_graph=true)", 1), [*row.trainer, *STEP_GRAPH]))
+        for group, count, row in scaling_rows(gpus)
+    ]
 
 
 def dataparallel_rows(gpus: int) -> list[tuple[str, int, Row]]:
@@ -112,8 +122,13 @@ def toggle_rows(gpus: int) -> list[tuple[str, int, Row]]:
     ]
 
 
-ROW_GROUPS = {"scaling": scaling_rows, "dataparallel": dataparallel_rows, "toggles": toggle_rows}
-PER_GPU_GROUPS = ("scaling", "toggles")  # DataParallel's rows set their own (whole-host) batch
+ROW_GROUPS = {
+    "scaling": scaling_rows,
+    "step_graph": step_graph_rows,
+    "dataparallel": dataparallel_rows,
+    "toggles": toggle_rows,
+}
+PER_GPU_GROUPS = ("scaling", "step_graph", "toggles")  # DataParallel's rows set their own (whole-host) batch
 
 
 def at_batch(rows: list[tuple[str, int, Row]], batch: int) -> list[tuple[str, int, Row]]:

@@ -2,8 +2,8 @@
 
 Exact (bit-identical): set_to_none (every parameter gets a gradient each step, so the
 optimizer sees the same values), num_workers (augmentation is seeded per image, not per
-process), and pin_memory / non_blocking / data.prefetch, which cannot act on a CPU and say
-so. channels_last is close, not exact: NHWC convolutions sum in another order, so losses
+process), and pin_memory / non_blocking / data.prefetch / step_graph, which cannot act on a CPU and
+say so. channels_last is close, not exact: NHWC convolutions sum in another order, so losses
 agree to float32 rounding (rtol 1e-4).
 """
 
@@ -42,6 +42,7 @@ def baseline(tmp_path_factory):
         "pin_memory=true",
         "non_blocking=true",
         "data.prefetch=true",
+        "step_graph=true",
     ],
 )
 def test_exactly_equal_losses(tmp_path, baseline, toggle):

@@ -64,7 +64,10 @@ class Parts:
     model: nn.Module
     ddp_model: nn.parallel.DistributedDataParallel | None
     no_sync: ContextFactory  # around the micro-batches whose gradients are not all-reduced yet
-    average_gradients: Callable[[], None]  # before each optimizer step (ddp_sync=after_backward)
+    average_gradients: Callable[[], None]  # after the backward that ends an optimizer step (ddp_sync=after_backward)
+    # forward, backward and average_gradients of the micro-batch that ends an optimizer step as
+    # one CUDA graph replay (step_graph=true), or None: the loop runs them one by one
+    step_graph: perf.StepGraph | None
     sync_buffers: Callable[[], None]  # at each epoch's end: the same BatchNorm statistics on every rank
     average: WeightAverage | NoAverage  # what is evaluated, checkpointed and exported
     # the step
@@ -117,14 +120,14 @@ def assemble(cfg: TrainConfig, ranks: Ranks, device: torch.device) -> Parts:
     torch.manual_seed(cfg.seed)
     perf.apply_backend_flags(cfg, device)
     splits, train_loader, train_batches, test_batches = build_data(cfg, ranks, device)
-    raw_model, model, ddp_model, meter = build_network(cfg, ranks, device, splits)
+    raw_model, model, ddp_model, step_graph, meter = build_network(cfg, ranks, device, splits)
     global_batch = cfg.batch_size * ranks.world_size * cfg.grad_accum_steps
     lr_peak = logged_peak_lr(cfg, global_batch)
     optimizer = build_optimizer(cfg.optim, raw_model, perf.optimizer_kwargs(cfg), lr_peak)
     average = weight_average(cfg.ema, raw_model)
     average_gradients, sync_buffers = averages_over_ranks(ranks, raw_model, ddp_model, average)
     total_steps = step_budget(cfg, len(train_loader))
-    warm_up_steps = perf.warm_up_steps(cfg, device)
+    warm_up_steps = perf.warm_up_steps(cfg, device, captured=step_graph is not None)
     scheduler = build_scheduler(cfg.optim, optimizer, total_steps)
     autocast = perf.autocast_context(cfg, device)  # says once where amp cannot act as asked
     non_finite_advice = (
@@ -145,13 +148,14 @@ def assemble(cfg: TrainConfig, ranks: Ranks, device: torch.device) -> Parts:
         model=model,
         ddp_model=ddp_model,
         no_sync=ddp_model.no_sync if ddp_model is not None else contextlib.nullcontext,
+        step_graph=step_graph,
         average_gradients=average_gradients,
         sync_buffers=sync_buffers,
         average=average,
         autocast=autocast,
         scaler=perf.grad_scaler(cfg, device),
         optimizer=optimizer,
-        zero_grad=perf.zero_grad(cfg, optimizer),
+        zero_grad=perf.zero_grad(cfg, optimizer, captured=step_graph is not None),
         scheduler=scheduler,
         lr_peak=lr_peak,
         epochs=cfg.epochs,
@@ -210,7 +214,8 @@ def build_data(cfg: TrainConfig, ranks: Ranks, device: torch.device) -> tuple:
 
 
 def build_network(cfg: TrainConfig, ranks: Ranks, device: torch.device, splits: Splits) -> tuple:
-    """(raw model, the model the step calls, the DDP wrapper or None, the MFU meter)."""
+    """(raw model, the model the step calls, the DDP wrapper or None, the step's CUDA graph or
+    None, the MFU meter)."""
     if cfg.data.low_res:
         check_low_res(cfg.model, len(splits.classes), cfg.data.low_res)
     raw_model = build_model(cfg.model, num_classes=len(splits.classes))
@@ -224,12 +229,14 @@ def build_network(cfg: TrainConfig, ranks: Ranks, device: torch.device, splits: 
     sync = perf.gradient_sync(cfg, raw_model) if ranks.world_size > 1 else None
     wrapper = wrap_ddp if sync is DdpSync.wrapper else None
     loss_fn = nn.CrossEntropyLoss(label_smoothing=cfg.optim.label_smoothing)
-    model = perf.prepare_model(cfg, raw_model, loss_fn, device, wrapper, ranks.world_size)
+    captured = perf.step_graph_acts(cfg, device, sync, perf.splits_over_gpus(cfg, device))
+    model = perf.prepare_model(cfg, raw_model, loss_fn, device, wrapper, ranks.world_size, captured)
     if sync is DdpSync.after_backward:
         perf.broadcast_module(raw_model)  # rank 0's initial weights, as the wrapper would
     batch_shape = (cfg.batch_size, 3, IMAGE_SIZE, IMAGE_SIZE)
     meter = mfu.meter(cfg, device, len(splits.classes), batch_shape, ranks.world_size)
-    return raw_model, model, wrapped[0] if wrapped else None, meter
+    step_graph = perf.StepGraph.of(raw_model) if captured else None
+    return raw_model, model, wrapped[0] if wrapped else None, step_graph, meter
 
 
 def logged_peak_lr(cfg: TrainConfig, global_batch: int) -> float:

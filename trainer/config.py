@@ -167,6 +167,9 @@ class TrainConfig:
     compile: bool = False  # torch.compile the model
     compile_mode: CompileMode = CompileMode.default
     fused_optimizer: bool = False  # one fused kernel for the optimizer step (CUDA)
+    # forward, backward and the gradient average over ranks captured once as one CUDA graph and
+    # replayed each step (CUDA, grad_accum_steps=1); compile's own CUDA graphs then stay off
+    step_graph: bool = False
     measure_data_wait: bool = True  # time data wait vs compute each epoch (CUDA events, no syncs)
     profile: bool = False  # torch.profiler over a few steps; trace saved in the run folder
 

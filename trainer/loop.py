@@ -3,8 +3,8 @@
     epochs_run = train(parts, progress, run, evaluate, started=time.perf_counter())
 
 Owns: the order of work. An epoch's micro-batches with gradient accumulation; the step
-(forward and backward under autocast, the scaled optimizer step, the scheduler, the weight
-average); one read of the losses per log window, which is also where a NaN/inf loss stops the
+(forward and backward under autocast and the gradient average, or their CUDA graph's replay;
+the scaled optimizer step, the scheduler, the weight average); one read of the losses per log window, which is also where a NaN/inf loss stops the
 run; the epoch's record; the warm-up steps that compile before the clock starts, undone after.
 Change the loop here.
 Must not touch: the config (every decision is already a field of `Parts`, trainer/assembly.py),
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import itertools
 import logging
 import math
@@ -93,8 +94,7 @@ def train_epoch(parts: Parts, progress: Progress, run: Run) -> dict:
         torch.cuda.reset_peak_memory_stats(parts.device)
     started = window_started = time.perf_counter()
     for (images, labels), (divisor, boundary) in zip(parts.timer.wrap(parts.train_batches), plan):
-        with contextlib.nullcontext() if boundary else parts.no_sync():
-            loss, hits = forward_backward(parts, images, labels, divisor)
+        loss, hits = forward_backward(parts, images, labels, divisor, boundary)
         window.append(loss)
         correct += hits
         if boundary:
@@ -122,18 +122,32 @@ def train_epoch(parts: Parts, progress: Progress, run: Run) -> dict:
     return epoch_record(parts, progress, loss_total, float(correct), micro_batches, epoch_s)
 
 
-def forward_backward(parts: Parts, images: torch.Tensor, labels: torch.Tensor, divisor: int):
-    with parts.autocast():
-        loss, correct = parts.model(images, labels)
-    parts.scaler.scale(loss / divisor).backward()
+def forward_backward(parts: Parts, images: torch.Tensor, labels: torch.Tensor, divisor: int, boundary: bool):
+    """One micro-batch's forward and backward; on the last of an optimizer step (`boundary`) the
+    gradients averaged over the ranks too, where no DistributedDataParallel does it. Returns
+    (loss, number of right predictions). Under step_graph the boundary's work is one replay."""
+    if boundary and parts.step_graph is not None:
+        body = functools.partial(backward_pass, parts, divisor=1, boundary=True)
+        loss, correct = parts.step_graph(images, labels, body)
+    else:
+        loss, correct = backward_pass(parts, images, labels, divisor, boundary)
     # Under CUDA graphs the outputs live in the graph's memory, which its next replay overwrites:
     # the loss is read a log window later, so it is copied out; the count is added up at once.
     return loss.detach().clone(), correct
 
 
+def backward_pass(parts: Parts, images: torch.Tensor, labels: torch.Tensor, divisor: int, boundary: bool):
+    with contextlib.nullcontext() if boundary else parts.no_sync():
+        with parts.autocast():
+            loss, correct = parts.model(images, labels)
+        parts.scaler.scale(loss / divisor).backward()
+    if boundary:
+        parts.average_gradients()
+    return loss, correct
+
+
 def apply_gradients(parts: Parts) -> None:
-    """The gradients, averaged over the ranks where the wrapper does not, into the weights."""
-    parts.average_gradients()
+    """The averaged gradients into the weights."""
     parts.scaler.step(parts.optimizer)
     parts.scaler.update()
     parts.zero_grad()
@@ -212,7 +226,7 @@ def warm_up(parts: Parts, epoch: int, evaluate: Callable[[], dict]) -> float:
     for first_epoch in shapes:
         parts.train_loader.set_epoch(first_epoch)
         for images, labels in itertools.islice(parts.train_batches, parts.warm_up_steps):
-            forward_backward(parts, images, labels, 1)
+            forward_backward(parts, images, labels, 1, boundary=True)
             apply_gradients(parts)
     for name, part in changed.items():
         part.load_state_dict(saved[name])

@@ -87,8 +87,8 @@ class Trainer:
         """Test loss and accuracy of the evaluated model (the loop calls this: a subclass may wrap it)."""
         return loop.evaluate(self.parts)
 
-    def _forward_backward(self, images: torch.Tensor, labels: torch.Tensor, divisor: int):
-        return loop.forward_backward(self.parts, images, labels, divisor)
+    def _forward_backward(self, images: torch.Tensor, labels: torch.Tensor, divisor: int, boundary: bool = True):
+        return loop.forward_backward(self.parts, images, labels, divisor, boundary)
 
     def __getattr__(self, name: str):
         """The assembled parts read as the Trainer's own (trainer.optimizer, trainer.raw_model)."""

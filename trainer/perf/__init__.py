@@ -14,6 +14,7 @@ A new toggle is a field in trainer/config.py and a few lines in the file of its 
   model.py     channels_last, DataParallel, torch.compile: the model the step calls
   ddp.py       how ranks average gradients (ddp_sync): DistributedDataParallel and its ddp_*
                communication toggles, or all_reduce.py's one all-reduce after backward
+  step_graph.py forward, backward and gradient average as one CUDA graph (step_graph)
   profiler.py  torch.profiler over a few steps
   notes.py     the one log line of a toggle that cannot act here
 trainer/assembly.py calls these and hands their results to the loop, which never reads a toggle.
@@ -51,9 +52,10 @@ from trainer.perf.inputs import (
     leave_stops_to_the_main_process,
     worker_count,
 )
-from trainer.perf.model import data_parallel, memory_format, prepare_model
+from trainer.perf.model import data_parallel, memory_format, prepare_model, splits_over_gpus
 from trainer.perf.notes import at_default, cannot_act, override_value, say_once
 from trainer.perf.profiler import Profiler
+from trainer.perf.step_graph import StepGraph, step_graph_acts
 
 __all__ = [
     "DDP_TOGGLES",
@@ -87,6 +89,9 @@ __all__ = [
     "override_value",
     "prepare_model",
     "say_once",
+    "splits_over_gpus",
+    "step_graph_acts",
+    "StepGraph",
     "unused_ddp_toggles",
     "warm_up_steps",
     "worker_count",
@@ -140,7 +145,11 @@ def grad_scaler(cfg: TrainConfig, device: torch.device) -> torch.amp.GradScaler:
     return torch.amp.GradScaler(device.type, enabled=enabled)
 
 
-def zero_grad(cfg: TrainConfig, optimizer: torch.optim.Optimizer) -> Callable[[], None]:
+def zero_grad(cfg: TrainConfig, optimizer: torch.optim.Optimizer, captured: bool) -> Callable[[], None]:
+    """After each optimizer step; nothing under step_graph, whose backward writes every gradient
+    anew into memory its graph owns (zeroing them is wasted work, dropping them loses them)."""
+    if captured:
+        return lambda: None
     return functools.partial(optimizer.zero_grad, set_to_none=cfg.set_to_none)
 
 

@@ -46,8 +46,9 @@ def apply_backend_flags(cfg: TrainConfig, device: torch.device) -> None:
 WARM_UP_STEPS = 3
 
 
-def warm_up_steps(cfg: TrainConfig, device: torch.device) -> int:
-    """Steps to train (and undo) before the clock starts: where torch.compile, or cuDNN's
-    autotuning as apply_backend_flags left it, has work to do on the first shapes; else none."""
+def warm_up_steps(cfg: TrainConfig, device: torch.device, captured: bool) -> int:
+    """Steps to train (and undo) before the clock starts: where torch.compile, cuDNN's
+    autotuning as apply_backend_flags left it, or step_graph's capture (`captured`) has work to
+    do on the first shapes; else none."""
     autotuning = device.type == "cuda" and torch.backends.cudnn.benchmark
-    return WARM_UP_STEPS if cfg.compile or autotuning else 0
+    return WARM_UP_STEPS if cfg.compile or autotuning or captured else 0

@@ -14,7 +14,7 @@ from torch import nn
 
 from trainer.config import CompileMode, ConfigError, TrainConfig
 from trainer.perf.ddp import unused_ddp_toggles
-from trainer.perf.notes import cannot_act
+from trainer.perf.notes import cannot_act, say_once
 
 
 def memory_format(cfg: TrainConfig) -> torch.memory_format:
@@ -77,11 +77,12 @@ def prepare_model(
     device: torch.device,
     wrap_ddp: Callable[[nn.Module], nn.Module] | None,
     world_size: int,
+    captured: bool = False,
 ) -> TrainingForward:
     """channels_last -> DDP or DataParallel -> compile. Returns what the training step calls:
     (images, labels) -> (loss, correct). `wrap_ddp` is None where no DistributedDataParallel
     wraps the model: one process, or ddp_sync=after_backward (trainer/perf/all_reduce.py
-    averages the gradients then)."""
+    averages the gradients then). `captured`: step_graph captures the step (trainer/perf/step_graph.py)."""
     model = model.to(device, memory_format=memory_format(cfg))
     if wrap_ddp is not None:
         model = wrap_ddp(model)
@@ -91,7 +92,7 @@ def prepare_model(
     if cfg.compile:
         # Static shapes: training batches all have one size (the last partial one is dropped), or
         # two with data.low_res; a dynamic graph after the second size would slow both.
-        forward = torch.compile(forward, mode=compile_mode(cfg, device), dynamic=False)
+        forward = torch.compile(forward, mode=compile_mode(cfg, device, captured), dynamic=False)
     return forward
 
 
@@ -104,13 +105,30 @@ def fresh_compile() -> None:
     torch._dynamo.reset()
 
 
-def compile_mode(cfg: TrainConfig, device: torch.device) -> str:
+# Under step_graph, the compile modes that record CUDA graphs of their own compile without them:
+# a graph is not recorded inside another's capture, and the step's graph holds their kernels.
+WITHOUT_CUDA_GRAPHS = {
+    CompileMode.reduce_overhead: CompileMode.default,
+    CompileMode.max_autotune: CompileMode.max_autotune_no_cudagraphs,
+}
+
+
+def compile_mode(cfg: TrainConfig, device: torch.device, captured: bool = False) -> str:
     """torch.compile's mode: reduce-overhead's CUDA graphs need CUDA, elsewhere the default mode."""
     if device.type != "cuda":
         quiet_no_cuda_runtime()
         if cfg.compile_mode is CompileMode.reduce_overhead:
             cannot_act("compile_mode=reduce_overhead", f"CUDA graphs need CUDA, device is {device}")
             return CompileMode.default.value
+    if captured and cfg.compile_mode in WITHOUT_CUDA_GRAPHS:
+        mode = WITHOUT_CUDA_GRAPHS[cfg.compile_mode]
+        say_once(
+            logging.INFO,
+            "step_graph=true: compile_mode=%s compiles as %s, its kernels replayed in the step's CUDA graph",
+            cfg.compile_mode.name,
+            mode.name,
+        )
+        return mode.value
     return cfg.compile_mode.value
 
 
