@@ -120,10 +120,14 @@ class Trainer:
     def _fit(self, ranks: Ranks) -> dict:
         if self.parts is None:
             self.build(ranks)
-        with self.run.training():
-            self.progress.compile_s += loop.warm_up(self.parts, self.progress.epoch, self.evaluate)
-            started = time.perf_counter()
-            self.run.finish(loop.train(self.parts, self.progress, self.run, self.evaluate, started))
+        try:
+            with self.run.training():
+                self.progress.compile_s += loop.warm_up(self.parts, self.progress.epoch, self.evaluate)
+                started = time.perf_counter()
+                self.run.finish(loop.train(self.parts, self.progress, self.run, self.evaluate, started))
+        finally:
+            if self.parts.step_graph is not None:
+                self.parts.step_graph.release()
         return self.run.close()
 
     def _launch_ranks(self) -> dict:

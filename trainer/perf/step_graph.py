@@ -135,6 +135,15 @@ class StepGraph:
         self.current = None  # the parameters point at this graph's gradients, set on replay
         return Captured(graph, static_images, static_labels, loss, correct, [p.grad for p in self.parameters])
 
+    def release(self) -> None:
+        """Destroys the graphs, at the end of training: before the process group, whose
+        communicator a graph's captured all-reduce holds (destroying the group first hung
+        both ranks of a 2-GPU run at exit)."""
+        if self.graphs:
+            torch.cuda.synchronize()
+        self.graphs.clear()
+        self.current = None
+
     def drop_grads(self) -> None:
         for param in self.parameters:
             param.grad = None

@@ -43,6 +43,7 @@ CANDIDATES = (
     Candidate("cudnn_benchmark", ("cudnn_benchmark=true",), needs_cuda=True),
     Candidate("tf32", ("tf32=true",), needs_cuda=True),
     Candidate("fused_optimizer", ("fused_optimizer=true",), needs_cuda=True),
+    Candidate("step_graph", ("step_graph=true",), needs_cuda=True),
     Candidate("data.loader=gpu", ("data.loader=gpu",), needs_cuda=True),
     Candidate("model.conv_bias=false", ("model.conv_bias=false",), built_in_models_only=True),
 )
