@@ -97,7 +97,11 @@ def scaling_rows(gpus: int) -> list[tuple[str, int, Row]]:
 def step_graph_rows(gpus: int) -> list[tuple[str, int, Row]]:
     """The scaling rows with the step captured as one CUDA graph (step_graph=true)."""
     return [
-        (f"{group}, step graph", count, Row(row.name.replace(")", " step_graph=true)", 1), [*row.trainer, *STEP_GRAPH]))
+        (
+            f"{group}, step graph",
+            count,
+            Row(row.name.replace(")", " step_graph=true)", 1), [*row.trainer, *STEP_GRAPH]),
+        )
         for group, count, row in scaling_rows(gpus)
     ]
 

@@ -99,7 +99,8 @@ def test_per_gpu_batches_give_each_batch_its_own_one_gpu_reference():
 def test_an_unknown_group_is_one_line(capsys):
     assert bench_ddp.main(["--groups", "probe,scaleing"]) == 2
     assert capsys.readouterr().err == (
-        "bench_ddp: unknown groups ['scaleing']: choose from probe, scaling, step_graph, dataparallel, toggles\n"
+        "bench_ddp: unknown groups ['scaleing']: choose from probe, scaling, step_graph, "
+        "dataparallel, toggles\n"
     )
 
 

@@ -9,10 +9,21 @@ import torch
 from conftest import SMALL, TOGGLE_SWEEP, compose_config, read_metrics, run_cli, run_folders
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from trainer import Trainer
+from trainer import Trainer, tags
+from trainer.job_names import run_dir_name
 
-TAGS = ("train/loss", "train/acc", "test/loss", "test/acc", "lr", "perf/img_per_s", "perf/epoch_s")
-TIMESTAMP = r"\d{4}-\d{2}-\d{2}/\d{2}-\d{2}-\d{2}\.\d{6}"  # <date>/<time with microseconds>
+TAGS = (
+    tags.TRAIN_LOSS,
+    tags.TRAIN_ACC,
+    tags.TEST_LOSS,
+    tags.TEST_ACC,
+    tags.LR,
+    tags.IMG_PER_S,
+    tags.IMG_PER_S_EPOCH,
+    tags.EPOCH_S,
+)
+SWEEP_STAMP = r"\d{4}-\d{2}-\d{2}/\d{2}-\d{2}-\d{2}\.\d{6}"  # a sweep's <date>/<time with microseconds>
+RUN_STAMP = r"\d{4}-\d{2}-\d{2}_\d{2}-\d{2}-\d{2}\.\d{6}"  # a single run's, after its overrides
 
 
 def scalars(run) -> dict[str, list[tuple[int, float]]]:
@@ -30,7 +41,11 @@ def test_a_run_leaves_one_folder_with_checkpoint_metrics_and_tensorboard(tmp_pat
     assert result.returncode == 0, result.stdout + result.stderr
     assert "Traceback" not in result.stderr
     [run] = run_folders(tmp_path / "outputs")
-    assert re.fullmatch(TIMESTAMP, run.relative_to(tmp_path / "outputs").as_posix())
+    # named by what the command line changed, then the date and time
+    assert re.fullmatch(
+        f"{re.escape(run_dir_name(overrides))}/{RUN_STAMP}", run.relative_to(tmp_path / "outputs").as_posix()
+    )
+    assert run.parent.name.startswith("model=cnn,data=synthetic,")
     assert (run / ".hydra" / "config.yaml").is_file()
     assert (run / "tb").is_dir()
     assert (run / "checkpoints" / "last.pt").is_file()
@@ -51,15 +66,20 @@ def test_a_run_leaves_one_folder_with_checkpoint_metrics_and_tensorboard(tmp_pat
     logged = scalars(run)
     assert set(TAGS) <= set(logged)
     # the x axis is images trained on (tb_step=images): optimizer steps x the batch of 32
-    assert [x for x, _ in logged["train/loss"]] == [32 * step for step in (2, 4, 6, 8, 10, 12, 14, 16)]
-    assert all(math.isfinite(loss) and loss > 0 for _, loss in logged["train/loss"])
-    assert all(lr > 0 for _, lr in logged["lr"])
-    assert [x for x, _ in logged["test/acc"]] == [32 * 8, 32 * 16]
-    assert all(0.0 <= accuracy <= 1.0 for _, accuracy in logged["test/acc"])
-    assert math.isclose(logged["test/acc"][-1][1], metrics["test_acc"], rel_tol=1e-6)  # TB holds float32
-    assert all(0.0 <= accuracy <= 1.0 for _, accuracy in logged["train/acc"])
-    assert all(value > 0 for _, value in logged["perf/img_per_s"] + logged["perf/epoch_s"])
-    assert len(logged["perf/epoch_s"]) == 2
+    assert [x for x, _ in logged[tags.TRAIN_LOSS]] == [32 * step for step in (2, 4, 6, 8, 10, 12, 14, 16)]
+    assert all(math.isfinite(loss) and loss > 0 for _, loss in logged[tags.TRAIN_LOSS])
+    assert all(lr > 0 for _, lr in logged[tags.LR])
+    assert [x for x, _ in logged[tags.TEST_ACC]] == [32 * 8, 32 * 16]
+    assert all(0.0 <= accuracy <= 1.0 for _, accuracy in logged[tags.TEST_ACC])
+    assert math.isclose(logged[tags.TEST_ACC][-1][1], metrics["test_acc"], rel_tol=1e-6)  # TB holds float32
+    assert all(0.0 <= accuracy <= 1.0 for _, accuracy in logged[tags.TRAIN_ACC])
+    assert all(value > 0 for _, value in logged[tags.IMG_PER_S] + logged[tags.EPOCH_S])
+    assert len(logged[tags.EPOCH_S]) == 2
+    # one definition of images/s: the last point is metrics.json's (the epochs after the first)
+    assert math.isclose(logged[tags.IMG_PER_S][-1][1], metrics["img_per_s"], rel_tol=1e-6)
+    assert math.isclose(
+        logged[tags.IMG_PER_S_EPOCH][-1][1], metrics["history"][-1]["img_per_s"], rel_tol=1e-6
+    )
 
 
 def test_a_sweep_leaves_one_completed_folder_per_job(toggle_sweep):
@@ -69,7 +89,7 @@ def test_a_sweep_leaves_one_completed_folder_per_job(toggle_sweep):
     assert len(set(runs)) == len(settings)
     for job, (run, (amp, layout)) in enumerate(zip(runs, settings)):
         name = f"{job}_amp={str(amp).lower()},channels_last={str(layout).lower()}"  # the swept keys only
-        assert re.fullmatch(f"multirun/{TIMESTAMP}/{name}", run.relative_to(outputs).as_posix())
+        assert re.fullmatch(f"multirun/{SWEEP_STAMP}/{name}", run.relative_to(outputs).as_posix())
         metrics = read_metrics(run)
         assert metrics["status"] == "completed"
         assert metrics["overrides"] == [*TOGGLE_SWEEP, f"amp={amp}", f"channels_last={layout}"]
@@ -82,9 +102,11 @@ def test_tb_step_puts_optimizer_steps_or_images_on_the_x_axis(tmp_path):
     overrides = ("max_steps=2", "log_every=1", "grad_accum_steps=2", "data.train_size=128")
     for axis, per_step in (("images", 64), ("step", 1)):
         Trainer(compose_config(*overrides, f"tb_step={axis}"), tmp_path / axis).fit()
-        assert [x for x, _ in scalars(tmp_path / axis)["train/loss"]] == [per_step, 2 * per_step], axis
+        assert [x for x, _ in scalars(tmp_path / axis)[tags.TRAIN_LOSS]] == [per_step, 2 * per_step], axis
     logged = scalars(tmp_path / "step")
-    assert not {"test/acc_trained", "test/acc_ema"} & set(logged)  # only beside a weight average
+    assert not {tags.TRAINED_TEST_ACC, tags.TRAINED_TEST_ACC_TTA} & set(
+        logged
+    )  # only beside a weight average
 
 
 def test_a_sweep_job_is_named_by_the_values_it_was_swept_over(tmp_path):

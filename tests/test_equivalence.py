@@ -13,7 +13,7 @@ import pytest
 from conftest import compose_config
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from trainer import Trainer
+from trainer import Trainer, tags
 
 STEPS = 8
 EQUIVALENCE = ["deterministic=true", "log_every=1", f"max_steps={STEPS}"]
@@ -22,7 +22,7 @@ EQUIVALENCE = ["deterministic=true", "log_every=1", f"max_steps={STEPS}"]
 def step_losses(run_dir) -> list[float]:
     events = EventAccumulator(str(run_dir / "tb"), size_guidance={"scalars": 0})
     events.Reload()
-    return [event.value for event in events.Scalars("train/loss")]
+    return [event.value for event in events.Scalars(tags.TRAIN_LOSS)]
 
 
 @pytest.fixture(scope="module")

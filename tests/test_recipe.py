@@ -16,7 +16,7 @@ from conftest import cli_environment, compose_config, needs_subset, read_metrics
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
 
-from trainer import Trainer
+from trainer import Trainer, tags
 from trainer.config import ExportFormat, FlipMode, TtaMode, to_train_config
 from trainer.data import Normalizer, synthetic_split
 from trainer.ema import WeightAverage, warmed_up_decay
@@ -148,16 +148,17 @@ def test_the_run_reports_tta_and_time_to_target(recipe_run):
     assert metrics["time_to_target_s"] == pytest.approx(history[0]["train_time_s"] + history[0]["eval_s"])
     events = EventAccumulator(str(recipe_run / "tb"), size_guidance={"scalars": 0})
     events.Reload()
-    assert [event.value for event in events.Scalars("test/acc_tta")] == [r["test_acc_tta"] for r in history]
-    # ema: the average's accuracy under a name that says so too, the trained weights' beside it
+    assert [event.value for event in events.Scalars(tags.TEST_ACC_TTA)] == [
+        r["test_acc_tta"] for r in history
+    ]
+    # ema: the evaluated model (the average) under the usual names, the trained weights' beside it
     for tag, key in (
-        ("acc_ema", "test_acc"),
-        ("acc_tta_ema", "test_acc_tta"),
-        ("acc_trained", "test_acc_trained"),
+        (tags.TEST_ACC, "test_acc"),
+        (tags.TEST_ACC_TTA, "test_acc_tta"),
+        (tags.TRAINED_TEST_ACC, "test_acc_trained"),
+        (tags.TRAINED_TEST_ACC_TTA, "test_acc_tta_trained"),
     ):
-        assert [event.value for event in events.Scalars(f"test/{tag}")] == pytest.approx(
-            [r[key] for r in history]
-        )
+        assert [event.value for event in events.Scalars(tag)] == pytest.approx([r[key] for r in history])
 
 
 def test_an_unreached_target_is_null():

@@ -21,7 +21,9 @@ import pytest
 from conftest import (
     HANG_GUARD_S,
     SWEEP_SMALL,
+    TOGGLE_SWEEP,
     cli_environment,
+    compose_config,
     job_number,
     read_metrics,
     run_folders,
@@ -30,6 +32,7 @@ from conftest import (
 )
 from matplotlib.image import imread
 
+from trainer import Trainer, tags
 from trainer.report import __main__ as report
 
 
@@ -99,33 +102,60 @@ def tensorboard_server(logdir: Path, runs: int) -> Iterator[Callable[..., object
         server.wait()
 
 
-def test_tensorboard_serves_the_sweep_by_job_name_with_the_swept_hparams_first(toggle_sweep):
-    jobs = run_folders(toggle_sweep)
-    with tensorboard_server(toggle_sweep, len(jobs)) as api:
+def test_tensorboard_serves_the_sweep_by_job_name_with_the_swept_hparams_first(toggle_sweep, tmp_path):
+    """What `tensorboard --logdir` serves over a sweep and a weight-average run beside it."""
+    logdir = tmp_path / "outputs"
+    shutil.copytree(toggle_sweep, logdir / "sweep")
+    ema_overrides = [*TOGGLE_SWEEP, "ema.enabled=true", "ema.update_every=1"]
+    Trainer(compose_config(*ema_overrides, small=False), logdir / "ema", overrides=ema_overrides).fit()
+    jobs = run_folders(logdir / "sweep")
+    with tensorboard_server(logdir, len(jobs) + 1) as api:
         runs = api("/data/runs")
         experiment = api("/data/plugin/hparams/experiment", {"experimentName": ""})
-        tags = api("/data/plugin/scalars/tags")
+        tags_by_run = api("/data/plugin/scalars/tags")
         columns = [{"hparam": info["name"]} for info in experiment["hparamInfos"]]
         columns += [{"metric": info["name"]} for info in experiment["metricInfos"]]
         statuses = ["STATUS_UNKNOWN", "STATUS_SUCCESS", "STATUS_FAILURE", "STATUS_RUNNING"]
         query = {"experimentName": "", "allowedStatuses": statuses, "colParams": columns}
         groups = api("/data/plugin/hparams/session_groups", query | {"startIndex": 0, "sliceSize": 100})
-        run = f"{jobs[-1].name}/tb"
-        accuracy = api(f"/data/plugin/scalars/scalars?run={urllib.parse.quote(run)}&tag=test%2Facc")
+        run = f"sweep/{jobs[-1].name}/tb"
+        accuracy = api(
+            f"/data/plugin/scalars/scalars?run={urllib.parse.quote(run)}&tag={urllib.parse.quote(tags.TEST_ACC)}"
+        )
 
     # the legend: each job by the values it was swept over
     swept = [(amp, layout) for amp in ("false", "true") for layout in ("false", "true")]  # Hydra's order
-    assert sorted(runs) == [f"{job}_amp={a},channels_last={c}/tb" for job, (a, c) in enumerate(swept)]
-    # HParams: the swept keys first (TensorBoard ticks the first five), integers as integers
+    expected = [f"sweep/{job}_amp={a},channels_last={c}/tb" for job, (a, c) in enumerate(swept)]
+    assert sorted(runs) == sorted([*expected, "ema/tb"])
+    # HParams: the swept keys first (TensorBoard ticks the first five), then the core and what the
+    # command lines set; not the whole config
     infos = experiment["hparamInfos"]
-    assert {info["name"] for info in infos[:2]} == {"amp", "channels_last"}
-    assert [info["name"] for info in infos if info.get("differs")] == [info["name"] for info in infos[:2]]
+    names = [info["name"] for info in infos]
+    assert set(names[:2]) == {"amp", "channels_last"}
+    assert [info["name"] for info in infos if info.get("differs")] == names[:2]
+    assert {"model", "data", "epochs", "batch_size", "seed", "ema.enabled"} <= set(names)
+    assert len(names) <= 16 and "optim.momentum" not in names
     by_run = {group["name"]: group["hparams"] for group in groups["sessionGroups"]}
-    assert {by_run[f"{job.name}/tb"]["batch_size"] for job in jobs} == {"32"}
-    # every curve is a metric, the same list whichever run is read first; no one-point charts
-    metrics = {info["name"]["tag"] for info in experiment["metricInfos"]}
-    assert {"test/acc", "test/best_acc", "perf/img_per_s", "perf/train_time_s", "train/loss"} <= metrics
-    assert not [tag for run_tags in tags.values() for tag in run_tags if tag.startswith("hparam")]
+    assert {by_run[f"sweep/{job.name}/tb"]["batch_size"] for job in jobs} == {"32"}
+    # metrics: the test accuracy first (ticked, and what parallel coordinates are coloured by),
+    # the accuracies and losses in the first five, images/s the first after them; the same list
+    # whichever run is read first; no one-point charts
+    metrics = [info["name"]["tag"] for info in experiment["metricInfos"]]
+    assert metrics[0] == tags.TEST_ACC
+    assert metrics[:3] == [tags.TEST_ACC, tags.TEST_ACC_TTA, tags.TRAIN_ACC]
+    assert {tags.TRAINED_TEST_ACC, tags.TEST_LOSS, tags.TRAIN_LOSS} <= set(metrics)
+    assert (
+        metrics.index(tags.TRAIN_LOSS)
+        < metrics.index(tags.IMG_PER_S)
+        == min(metrics.index(tag) for tag in metrics if tag.startswith("perf/"))
+    )
+    assert metrics.index(tags.LR) > metrics.index(tags.IMG_PER_S)
+    # Time Series opens the first two groups: accuracy and loss
+    groups_of_tags = sorted({tag.split("/")[0] for run_tags in tags_by_run.values() for tag in run_tags})
+    assert groups_of_tags[:2] == ["accuracy", "loss"]
+    assert set(tags_by_run["ema/tb"]) >= {tags.TEST_ACC, tags.TRAINED_TEST_ACC, tags.TRAINED_TEST_ACC_TTA}
+    assert not {tags.TRAINED_TEST_ACC} & set(tags_by_run[expected[0]])
+    assert not [tag for run_tags in tags_by_run.values() for tag in run_tags if tag.startswith("hparam")]
     # the x axis: images trained on (4 optimizer steps of 32 images), the last point metrics.json's
     last = read_metrics(jobs[-1])
     assert accuracy[-1][1] == last["steps"] * 32

@@ -69,7 +69,9 @@ def test_zero_grad_keeps_the_gradients_the_graph_writes_into():
     assert layer.weight.grad is None
 
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="captures CUDA graphs: needs a CUDA GPU")
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="captures CUDA graphs: needs a CUDA GPU"
+)
 
 
 def trained_weights(tmp_path, *overrides: str) -> tuple[dict, dict]:
@@ -87,7 +89,9 @@ def trained_weights(tmp_path, *overrides: str) -> tuple[dict, dict]:
         tmp_path,
     )
     metrics = trainer.fit()
-    return {name: value.detach().float().cpu() for name, value in trainer.raw_model.state_dict().items()}, metrics
+    return {
+        name: value.detach().float().cpu() for name, value in trainer.raw_model.state_dict().items()
+    }, metrics
 
 
 @needs_cuda
@@ -106,5 +110,9 @@ def test_captured_step_trains_the_same_weights(tmp_path, extra):
     for name, tensor in op_by_op.items():
         torch.testing.assert_close(captured[name], tensor, rtol=1e-3, atol=1e-4, msg=name)
     initial = Trainer(compose_config("model=fastcnn", "device=cuda"), tmp_path / "initial").build().raw_model
-    moved = [name for name, value in initial.state_dict().items() if not torch.equal(value.float().cpu(), op_by_op[name])]
+    moved = [
+        name
+        for name, value in initial.state_dict().items()
+        if not torch.equal(value.float().cpu(), op_by_op[name])
+    ]
     assert moved, "the weights never changed: the comparison would prove nothing"

@@ -64,7 +64,9 @@ class Parts:
     model: nn.Module
     ddp_model: nn.parallel.DistributedDataParallel | None
     no_sync: ContextFactory  # around the micro-batches whose gradients are not all-reduced yet
-    average_gradients: Callable[[], None]  # after the backward that ends an optimizer step (ddp_sync=after_backward)
+    average_gradients: Callable[
+        [], None
+    ]  # after the backward that ends an optimizer step (ddp_sync=after_backward)
     # forward, backward and average_gradients of the micro-batch that ends an optimizer step as
     # one CUDA graph replay (step_graph=true), or None: the loop runs them one by one
     step_graph: perf.StepGraph | None

@@ -79,7 +79,7 @@ def resolve_checkpoint(resume: str) -> Path:
     if not path.is_file():
         raise TrainerError(
             f"resume={resume}: no checkpoint at {path}. Give a checkpoint file or a run folder "
-            f"that holds {CHECKPOINT} (e.g. resume=outputs/<date>/<time>)"
+            f"that holds {CHECKPOINT} (e.g. resume=outputs/<overrides>/<date>_<time>)"
         )
     return path
 

@@ -41,7 +41,7 @@ from trainer.config_choices import (
     TtaMode,
 )
 from trainer.errors import ConfigError, TrainerError  # noqa: F401 - imported from here across the package
-from trainer.job_names import job_dir_name
+from trainer.job_names import job_dir_name, run_dir_name
 from trainer.parallel_jobs import default_jobs
 
 
@@ -200,6 +200,7 @@ def register_schema() -> None:
     """Register the schema with Hydra so that conf/ files are type-checked against it, and the
     resolver that names sweep job folders (conf/config.yaml)."""
     OmegaConf.register_new_resolver("trainer_job_dir", job_dir_name, replace=True)
+    OmegaConf.register_new_resolver("trainer_run_dir", run_dir_name, replace=True)
     OmegaConf.register_new_resolver("trainer_parallel_jobs", default_jobs, replace=True)
     store = ConfigStore.instance()
     store.store(name="train_schema", node=TrainConfig)

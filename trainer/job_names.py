@@ -1,5 +1,5 @@
-"""Sweep job folder names: the job's number, then the values it was swept over, e.g.
-`3_amp=true,channels_last=true`.
+"""Run folder names. A sweep job's: its number, then the values it was swept over, e.g.
+`3_amp=true,channels_last=true`. A single run's: its overrides, then the date and time.
 
 TensorBoard names each run by its folder, so this is also what its legend and HParams table
 show. conf/config.yaml sets `hydra.sweep.subdir` to `${trainer_job_dir:...}`; register_schema
@@ -33,6 +33,26 @@ def swept_keys(sweep_dir: str) -> set[str] | None:
     return {override.key_or_group for override in parsed if override.is_sweep_override()}
 
 
+def run_dir_name(overrides: list[str]) -> str:
+    """A single run's folder under outputs/: its command-line overrides (as a sweep job's are
+    written, below), or `defaults` when there are none; the date and time follow in a folder
+    of their own (conf/config.yaml), so that TensorBoard's run list starts with what differs."""
+    return (
+        overrides_text([item for item in map(str, overrides) if not item.startswith("hydra.")]) or "defaults"
+    )
+
+
+def overrides_text(kept: list[str]) -> str:
+    """`key=value,...`, every character outside [A-Za-z0-9._=,+-] as '-', a text over
+    MAX_OVERRIDES_CHARS cut and ended in 8 hex digits of the whole."""
+    text = ",".join(PYTHON_BOOL.sub(lambda match: f"={match.group(1).lower()}", item) for item in kept)
+    safe = UNSAFE.sub("-", text)
+    if len(safe) > MAX_OVERRIDES_CHARS:
+        digest = hashlib.blake2b(text.encode(), digest_size=4).hexdigest()
+        safe = f"{safe[: MAX_OVERRIDES_CHARS - 9]}-{digest}"
+    return safe
+
+
 def job_dir_name(number: int | str, overrides: list[str], sweep_dir: str) -> str:
     """`<number>_<key=value,...>` for the swept keys of this job's overrides (all of them when
     the sweep's own are unknown), every character outside [A-Za-z0-9._=,+-] as '-'; the number
@@ -40,9 +60,5 @@ def job_dir_name(number: int | str, overrides: list[str], sweep_dir: str) -> str
     digits of the full text, so that it still says which job it is."""
     keys = swept_keys(sweep_dir)
     kept = [item for item in map(str, overrides) if keys is None or item.lstrip("+~").split("=")[0] in keys]
-    text = ",".join(PYTHON_BOOL.sub(lambda match: f"={match.group(1).lower()}", item) for item in kept)
-    safe = UNSAFE.sub("-", text)
-    if len(safe) > MAX_OVERRIDES_CHARS:
-        digest = hashlib.blake2b(text.encode(), digest_size=4).hexdigest()
-        safe = f"{safe[: MAX_OVERRIDES_CHARS - 9]}-{digest}"
+    safe = overrides_text(kept)
     return f"{number}_{safe}" if safe else str(number)

@@ -90,6 +90,33 @@ def flatten(config: dict, prefix: str = "") -> dict:
     return flat
 
 
+# What HParams shows of every run, whatever it changed: what it trained, on what, how long.
+HPARAMS_CORE = {
+    "model": "model.name",
+    "data": "data.source",
+    "epochs": "epochs",
+    "batch_size": "batch_size",
+    "seed": "seed",
+}
+
+
+def shown_hparams(config: dict, overrides: list[str]) -> dict:
+    """The HParams of a run: the core above, then each key its command line set (a group such as
+    perf=fast as its choice), at its value in the run's config. The full config stays in the
+    run folder (.hydra/config.yaml); TensorBoard lists the union over the runs it reads, the
+    keys whose values differ first. A run that left a key at its default shows it blank."""
+    flat = flatten(config)
+    shown = {name: flat[key] for name, key in HPARAMS_CORE.items() if key in flat}
+    if flat.get("model.target") not in (None, "null"):
+        shown["model"] = flat["model.target"]
+    for override in overrides:
+        key, _, value = override.lstrip("+~").partition("=")
+        if key.startswith("hydra") or key in shown:
+            continue
+        shown[key] = flat.get(key, value)
+    return shown
+
+
 def decimal(value: float | None) -> str:
     """A number of a log line to four places, '-' where there is none."""
     return "-" if value is None else f"{value:.4f}"
@@ -122,7 +149,7 @@ class RunLog:
         return StepProgress(total, description)
 
     def hparams(self, config: dict) -> None:
-        """The run's config as an HParams session, into this run's own event file.
+        """`config` (flat: shown_hparams) as an HParams session, into this run's own event file.
 
         Only the session is written, no experiment summary and no scalars: TensorBoard then
         builds one experiment from every session it finds, so each start shows the same
@@ -133,7 +160,7 @@ class RunLog:
         from torch.utils.tensorboard.summary import hparams
 
         # Booleans and integers as text: TensorBoard would show them as 0/1 and 128.00.
-        shown = {k: str(v).lower() if isinstance(v, (bool, int)) else v for k, v in flatten(config).items()}
+        shown = {k: str(v).lower() if isinstance(v, (bool, int)) else v for k, v in config.items()}
         _, session_start, session_end = hparams(shown, {})
         self.writer.file_writer.add_summary(session_start)
         self.writer.file_writer.add_summary(session_end)

@@ -4,8 +4,9 @@
 
 Owns: the order of work. An epoch's micro-batches with gradient accumulation; the step
 (forward and backward under autocast and the gradient average, or their CUDA graph's replay;
-the scaled optimizer step, the scheduler, the weight average); one read of the losses per log window, which is also where a NaN/inf loss stops the
-run; the epoch's record; the warm-up steps that compile before the clock starts, undone after.
+the scaled optimizer step, the scheduler, the weight average); one read of the losses per log
+window, which is also where a NaN/inf loss stops the run; the epoch's record; the warm-up
+steps that compile before the clock starts, undone after.
 Change the loop here.
 Must not touch: the config (every decision is already a field of `Parts`, trainer/assembly.py),
 signals and files (the run lends its log, its profiler and its agreed stop: trainer/run.py),
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from trainer import distributed, evaluation
+from trainer import distributed, evaluation, tags
 from trainer.assembly import Parts
 from trainer.config import TrainerError
 from trainer.logging import percent
@@ -176,7 +177,7 @@ def log_window(parts: Parts, progress: Progress, run: Run, window: list, bar, st
         )
     mean = sum(losses) / len(losses)
     images_per_s = len(losses) * parts.images_per_micro_batch / max(seconds, 1e-9)
-    run.log.scalars(progress.step, {"train/loss": mean, "lr": parts.scheduler.get_last_lr()[0]})
+    run.log.scalars(progress.step, {tags.TRAIN_LOSS: mean, tags.LR: parts.scheduler.get_last_lr()[0]})
     bar.set_postfix(
         loss=f"{mean:.3f}",
         img_s=f"{images_per_s:,.0f}",

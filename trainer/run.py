@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from trainer import checkpoint, distributed, mfu, perf, timing
+from trainer import checkpoint, distributed, mfu, perf, tags, timing
 from trainer.assembly import Parts
 from trainer.atomic import NotWritten
 from trainer.config import ExportFormat, TrainConfig
@@ -46,6 +46,7 @@ from trainer.logging import (
     percent,
     read_metrics,
     shell_override,
+    shown_hparams,
     write_json_atomic,
 )
 from trainer.progress import Progress
@@ -193,32 +194,31 @@ class Run:
     def close(self) -> dict:
         summary = self.summary(self.parts.ranks)
         self.log.metrics(summary)
-        self.log.hparams(self.config)
+        self.log.hparams(shown_hparams(self.config, self.overrides))
         self.log.close()
         return summary
 
     def report_epoch(self, record: dict) -> None:
         """TensorBoard scalars, one log line, and the input-pipeline hint when data is slow."""
+        so_far = self.progress.summary()
         self.log.scalars(
             self.progress.step,
             {
-                "train/acc": record["train_acc"],
-                "test/loss": record.get("test_loss"),
-                "test/acc": record.get("test_acc"),
-                "test/acc_tta": record.get("test_acc_tta"),
-                "test/acc_trained": record.get("test_acc_trained"),
-                "test/acc_tta_trained": record.get("test_acc_tta_trained"),
-                # with ema, test/acc is the average's; these say so by name (the trained: _trained)
-                "test/acc_ema": record.get("test_acc") if "test_acc_trained" in record else None,
-                "test/acc_tta_ema": record.get("test_acc_tta") if "test_acc_tta_trained" in record else None,
-                "test/best_acc": self.progress.best_test_acc,
-                "test/time_to_target_s": self.progress.time_to_target_s,
-                "perf/img_per_s": record["img_per_s"],
-                "perf/mfu": record["mfu"],
-                "perf/epoch_s": record["epoch_s"],
-                "perf/train_time_s": self.progress.train_time_s,
-                "perf/data_wait_frac": record["data_wait_frac"],
-                "perf/peak_mem_mb": record["peak_mem_mb"],
+                tags.TEST_ACC: record.get("test_acc"),
+                tags.TEST_ACC_TTA: record.get("test_acc_tta"),
+                tags.TRAIN_ACC: record["train_acc"],
+                tags.TRAINED_TEST_ACC: record.get("test_acc_trained"),
+                tags.TRAINED_TEST_ACC_TTA: record.get("test_acc_tta_trained"),
+                tags.TEST_LOSS: record.get("test_loss"),
+                tags.IMG_PER_S: so_far["img_per_s"],
+                tags.MFU: so_far["mfu"],
+                tags.DATA_WAIT_FRAC: so_far["data_wait_frac"],
+                tags.IMG_PER_S_EPOCH: record["img_per_s"],
+                tags.PEAK_MEM_MB: record["peak_mem_mb"],
+                tags.BEST_TEST_ACC: self.progress.best_test_acc,
+                tags.TIME_TO_TARGET_S: self.progress.time_to_target_s,
+                tags.EPOCH_S: record["epoch_s"],
+                tags.TRAIN_TIME_S: self.progress.train_time_s,
             },
         )
         log.info(

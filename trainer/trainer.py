@@ -87,7 +87,9 @@ class Trainer:
         """Test loss and accuracy of the evaluated model (the loop calls this: a subclass may wrap it)."""
         return loop.evaluate(self.parts)
 
-    def _forward_backward(self, images: torch.Tensor, labels: torch.Tensor, divisor: int, boundary: bool = True):
+    def _forward_backward(
+        self, images: torch.Tensor, labels: torch.Tensor, divisor: int, boundary: bool = True
+    ):
         return loop.forward_backward(self.parts, images, labels, divisor, boundary)
 
     def __getattr__(self, name: str):

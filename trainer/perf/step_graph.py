@@ -37,7 +37,9 @@ EAGER_PASSES = 3
 Body = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
-def step_graph_acts(cfg: TrainConfig, device: torch.device, sync: DdpSync | None, splits_batches: bool) -> bool:
+def step_graph_acts(
+    cfg: TrainConfig, device: torch.device, sync: DdpSync | None, splits_batches: bool
+) -> bool:
     """Whether step_graph=true captures this run's step; where it cannot, one line says why.
     `sync`: how the ranks average gradients (None in one process); `splits_batches`: whether
     data_parallel=true splits each batch over GPUs of this process."""
@@ -92,7 +94,9 @@ class StepGraph:
         self.graphs: dict[tuple, Captured] = {}
         self.current: Captured | None = None
 
-    def __call__(self, images: torch.Tensor, labels: torch.Tensor, body: Body) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(
+        self, images: torch.Tensor, labels: torch.Tensor, body: Body
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(loss, correct) of this batch, in the graph's memory: read or copy them before the
         next call."""
         key = (tuple(images.shape), images.stride(), images.dtype, tuple(labels.shape), labels.dtype)
