@@ -16,6 +16,7 @@ import pytest
 from conftest import REPO, SMALL, compose_config, read_metrics, run_cli, run_folders
 
 from trainer import Trainer
+from trainer.cli_checks import override_slip
 from trainer.config import ConfigError, to_train_config
 from trainer.trainer import NonFiniteLoss
 
@@ -31,6 +32,11 @@ CONFIG_ERRORS = {
         ["resume=/does/not/exist"],
         ["resume=/does/not/exist", "no checkpoint at /does/not/exist", "checkpoints/last.pt"],
     ),
+    # another tool's option syntax, or spaces around '=': the override meant, in one line
+    "dashed-option": (["--epochs", "1"], ["`--epochs 1` is not an override: write epochs=1"]),
+    "dashed-with-equals": (["--epochs=1"], ["`--epochs=1` is not an override: write epochs=1"]),
+    "spaces-around-equals": (["epochs", "=", "1"], ["`epochs = 1` is not an override: write epochs=1"]),
+    "group-with-spaces": (["model", "=", "cnn"], ["`model = cnn` is not an override: write model=cnn"]),
     "run-folder-under-a-file": (
         [f"hydra.run.dir={REPO}/README.md/run"],
         [f"cannot make the run folder {REPO}/README.md/run: {REPO}/README.md is a file", "hydra.run.dir=/a"],
@@ -210,3 +216,18 @@ def test_a_sweep_is_checked_value_by_value_with_its_fixed_overrides(tmp_path):
         check_command_line(["-m", "model=cnn", "amp=false,maybe"])
     with pytest.raises(ConfigError, match="data.loader=gpu uses no worker processes"):
         check_command_line(["-m", "num_workers=2", "data.loader=torch,gpu"])
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["-m", "amp=false,true"],
+        ["--multirun", "seed=0,1", "--config-dir=/tmp/conf"],
+        ["--cfg", "job", "epochs=1"],
+        ["-cd", "/tmp/conf", "-cn", "config", "optim.lr=-1"],
+        ["hydra.run.dir=/tmp/x", "data.root=", "epochs=1"],
+        ["--help"],
+    ],
+)
+def test_valid_command_lines_are_no_slips(args):
+    assert override_slip(args) is None

@@ -78,7 +78,48 @@ def folder_entry(folder: str) -> str:
     return f"'file://{Path(folder).resolve()}'"
 
 
+# Hydra's own flags (hydra._internal.utils.get_args_parser); any other `-x` or `--x` is a slip.
+HYDRA_FLAGS = HYDRA_FLAGS_WITH_VALUE | {
+    "--help",
+    "-h",
+    "--hydra-help",
+    "--version",
+    "--resolve",
+    "--run",
+    "-r",
+    "--multirun",
+    "-m",
+    "--shell-completion",
+    "-sc",
+}
+
+
+def override_slip(args: list[str]) -> str | None:
+    """The first argument written as another tool's option or with spaces around '=', as the
+    override it means (`--epochs 1`, `--epochs=1`, `epochs = 1` -> `epochs=1`); None if none is."""
+    for index, arg in enumerate(args):
+        following = args[index + 1] if index + 1 < len(args) else None
+        if arg.startswith("-") and arg.split("=")[0] not in HYDRA_FLAGS and len(arg.lstrip("-")) > 0:
+            key, has_value, value = arg.lstrip("-").partition("=")
+            if has_value:
+                return f"`{arg}` is not an override: write {key}={value}"
+            if following is not None and not following.startswith("-"):
+                return f"`{arg} {following}` is not an override: write {key}={following}"
+            return f"`{arg}` is not an option of python -m trainer: overrides are key=value, see --help"
+        if arg == "=" and index > 0 and following is not None:
+            return f"`{args[index - 1]} = {following}` is not an override: write {args[index - 1]}={following}"
+        if arg.endswith("=") and arg.count("=") == 1 and following is not None and "=" not in following:
+            if not following.startswith("-"):
+                return f"`{arg} {following}` is not an override: write {arg}{following}"
+        if arg.startswith("=") and index > 0 and "=" not in args[index - 1]:
+            return f"`{args[index - 1]} {arg}` is not an override: write {args[index - 1]}{arg}"
+    return None
+
+
 def check_command_line(args: list[str]) -> None:
+    slip = override_slip(args)
+    if slip is not None:
+        raise ConfigError(f"{slip} (overrides take no dashes and no spaces around '=')")
     overrides, hydra_overrides, multirun = split_command_line(args)
     if multirun and started_by_torchrun():
         raise ConfigError(
