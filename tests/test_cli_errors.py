@@ -8,6 +8,7 @@ that says `failed`.
 
 from __future__ import annotations
 
+import re
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -18,6 +19,7 @@ from conftest import REPO, SMALL, compose_config, read_metrics, run_cli, run_fol
 from trainer import Trainer
 from trainer.cli_checks import override_slip
 from trainer.config import ConfigError, to_train_config
+from trainer.data import DatasetNotFoundError
 from trainer.trainer import NonFiniteLoss
 
 # case id -> (overrides after SMALL, fragments the one error line must hold)
@@ -37,6 +39,10 @@ CONFIG_ERRORS = {
     "dashed-with-equals": (["--epochs=1"], ["`--epochs=1` is not an override: write epochs=1"]),
     "spaces-around-equals": (["epochs", "=", "1"], ["`epochs = 1` is not an override: write epochs=1"]),
     "group-with-spaces": (["model", "=", "cnn"], ["`model = cnn` is not an override: write model=cnn"]),
+    "cuda-hidden": (
+        ["device=cuda"],  # with every GPU hidden (CASE_ENV), whatever the machine has
+        ["device=cuda but no CUDA device is visible: use device=cpu or device=auto"],
+    ),
     "run-folder-under-a-file": (
         [f"hydra.run.dir={REPO}/README.md/run"],
         [f"cannot make the run folder {REPO}/README.md/run: {REPO}/README.md is a file", "hydra.run.dir=/a"],
@@ -50,6 +56,7 @@ RUNTIME_ERRORS = {
     "checkpoint-not-written": [],  # under a file-size limit smaller than the checkpoint
 }
 FILE_SIZE_LIMITS = {"checkpoint-not-written": 1_000_000}  # bytes; the cnn's checkpoint is ~9 MB
+CASE_ENV = {"cuda-hidden": {"CUDA_VISIBLE_DEVICES": ""}}
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +76,8 @@ def outcomes(tmp_path_factory, empty_folder) -> dict[str, tuple[subprocess.Compl
 
     def run(case: str) -> tuple[subprocess.CompletedProcess, Path]:
         cwd = tmp_path_factory.mktemp(case)
-        return run_cli(*SMALL, *commands[case], cwd=cwd, file_size_limit=FILE_SIZE_LIMITS.get(case)), cwd
+        limit = FILE_SIZE_LIMITS.get(case)
+        return run_cli(*SMALL, *commands[case], cwd=cwd, file_size_limit=limit, env=CASE_ENV.get(case)), cwd
 
     with ThreadPoolExecutor(max_workers=2) as pool:
         return dict(zip(commands, pool.map(run, commands)))
@@ -112,27 +120,42 @@ def test_command_line_mistake_is_one_line_and_leaves_no_run_folder(outcomes, cas
     [
         (
             "cifar10-absent",
-            "CIFAR-10 not found in {empty} (no intact cifar-10-batches-py there",
+            "CIFAR-10 not found in {empty} (no cifar-10-batches-py there and data.download=false",
             "data.download=false",
         ),
         ("imagefolder-absent", "no class folders in {empty}/train", "train/<class>/ and test/<class>/"),
     ],
 )
-def test_missing_dataset_names_the_folder_and_the_fixes(outcomes, empty_folder, case, looked_at, source_hint):
+def test_missing_dataset_names_the_folder_and_the_fixes_before_a_run_folder(
+    outcomes, empty_folder, case, looked_at, source_hint
+):
     result, cwd = outcomes[case]
 
-    assert result.returncode == 1, result.stdout + result.stderr
+    assert result.returncode == 2, result.stdout + result.stderr
     assert "Traceback" not in result.stderr + result.stdout
-    line = the_error_log_line(result)
+    [line] = non_empty_lines(result.stderr)
+    assert line.startswith("trainer: error: ")
     assert looked_at.format(empty=empty_folder) in line
     assert "Fix: data.root=" in line
     assert source_hint in line
     assert line.endswith("or data=synthetic")
-    [run] = run_folders(cwd / "outputs")
-    metrics = read_metrics(run)
-    assert metrics["status"] == "failed"
-    assert metrics["error"] in line
-    assert checkpoints_under(cwd / "outputs") == []
+    assert not (cwd / "outputs").exists()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "looked_at"),
+    [
+        (
+            ["data=cifar10", "data.download=false"],
+            "CIFAR-10 not found in {empty} (no intact cifar-10-batches-py",
+        ),
+        (["data=imagefolder"], "no class folders in {empty}/train"),
+    ],
+)
+def test_the_run_itself_still_names_a_missing_dataset(tmp_path, empty_folder, overrides, looked_at):
+    """Through the API, where no command line was checked first: the same message, from the source."""
+    with pytest.raises(DatasetNotFoundError, match=re.escape(looked_at.format(empty=empty_folder))):
+        Trainer(compose_config(*overrides, f"data.root={empty_folder}"), tmp_path / "run").fit()
 
 
 def test_non_finite_loss_names_the_step_and_a_lower_learning_rate(outcomes):
@@ -210,12 +233,13 @@ def test_schema_rejects_bad_values_in_process(overrides, message):
 def test_a_sweep_is_checked_value_by_value_with_its_fixed_overrides(tmp_path):
     from trainer.cli_checks import check_command_line
 
-    (tmp_path / "train").mkdir()
+    for split in ("train", "test"):
+        (tmp_path / split / "a").mkdir(parents=True)
     check_command_line(["-m", "data=imagefolder", f"data.root={tmp_path}", "amp=false,true"])
     with pytest.raises(ConfigError, match="invalid value for amp"):
-        check_command_line(["-m", "model=cnn", "amp=false,maybe"])
+        check_command_line(["-m", "model=cnn", "data=synthetic", "amp=false,maybe"])
     with pytest.raises(ConfigError, match="data.loader=gpu uses no worker processes"):
-        check_command_line(["-m", "num_workers=2", "data.loader=torch,gpu"])
+        check_command_line(["-m", "num_workers=2", "data=synthetic", "data.loader=torch,gpu"])
 
 
 @pytest.mark.parametrize(

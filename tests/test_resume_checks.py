@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FINISHED, compose_config, read_metrics
+from conftest import FINISHED, SMALL, compose_config, read_metrics, run_cli, run_folders
 from PIL import Image
 
 from trainer import Trainer
@@ -144,3 +144,19 @@ def test_a_new_run_in_a_folder_with_a_partial_save_removes_it(tmp_path):
     Trainer(compose_config("max_steps=1"), tmp_path / "run").build()
 
     assert not partial.exists()
+
+
+def test_a_resume_of_another_length_is_refused_before_torch_and_a_run_folder(tmp_path):
+    """From the command line, the saved settings are read from the run's .hydra/config.yaml:
+    one line naming what to set, exit 2, no new folder."""
+    saved = run_cli(*SMALL, "max_steps=2", cwd=tmp_path)
+    assert saved.returncode == 0, saved.stderr
+    [run] = run_folders(tmp_path / "outputs")
+    resumed = run_cli(*SMALL, "max_steps=2", "epochs=3", f"resume='{run}'", cwd=tmp_path)
+    assert resumed.returncode == 2, resumed.stdout + resumed.stderr
+    [line] = [line for line in resumed.stderr.splitlines() if line.strip()]
+    assert line == (
+        f"trainer: error: resume={run} was saved with epochs=1, which this config changes: "
+        "set epochs=1 as saved, or start a new run without resume"
+    )
+    assert run_folders(tmp_path / "outputs") == [run]

@@ -57,8 +57,8 @@ def test_a_preset_from_the_users_config_dir_runs(tmp_path, my_conf):
 
 
 def test_the_check_searches_the_users_config_dir_and_lists_its_presets(my_conf):
-    check_command_line([f"--config-dir={my_conf}", "perf=my_preset", "model=cnn"])
-    check_command_line(["-cd", str(my_conf), "-m", "perf=baseline,my_preset"])
+    check_command_line([f"--config-dir={my_conf}", "perf=my_preset", "model=cnn", "data=synthetic"])
+    check_command_line(["-cd", str(my_conf), "-m", "perf=baseline,my_preset", "data=synthetic"])
     with pytest.raises(ConfigError) as caught:
         check_command_line(["--config-dir", str(my_conf), "perf=my_presett"])
 

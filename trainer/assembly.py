@@ -35,6 +35,7 @@ from trainer.distributed import Ranks
 from trainer.ema import NoAverage, WeightAverage, weight_average
 from trainer.models import build_model, check_low_res, initialize_from_data
 from trainer.optim import build_optimizer, build_scheduler, peak_lr, scaling_rule
+from trainer.preflight import no_cuda_device
 from trainer.timing import data_wait_timer
 
 log = logging.getLogger(__name__)
@@ -108,7 +109,7 @@ def resolve_device(spec: str, ranks: Ranks, ddp: bool) -> torch.device:
     if spec == "auto":
         spec = "cuda" if torch.cuda.is_available() else "cpu"
     if spec.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"device={spec} but no CUDA device is visible: use device=cpu or device=auto")
+        raise ConfigError(no_cuda_device(spec))
     if spec.startswith("cuda") and ddp:
         return torch.device("cuda", ranks.local_rank)
     return torch.device(spec)

@@ -20,6 +20,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from trainer.checkpoint import resolve_checkpoint
 from trainer.config import ConfigError, TrainConfig, to_train_config, unknown_key_message
+from trainer.preflight import check_machine
 from trainer.torchrun_env import started_by_torchrun
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -107,13 +108,30 @@ def override_slip(args: list[str]) -> str | None:
                 return f"`{arg} {following}` is not an override: write {key}={following}"
             return f"`{arg}` is not an option of python -m trainer: overrides are key=value, see --help"
         if arg == "=" and index > 0 and following is not None:
-            return f"`{args[index - 1]} = {following}` is not an override: write {args[index - 1]}={following}"
-        if arg.endswith("=") and arg.count("=") == 1 and following is not None and "=" not in following:
-            if not following.startswith("-"):
-                return f"`{arg} {following}` is not an override: write {arg}{following}"
+            return (
+                f"`{args[index - 1]} = {following}` is not an override: write {args[index - 1]}={following}"
+            )
+        joinable = following is not None and "=" not in following and not following.startswith("-")
+        if arg.endswith("=") and arg.count("=") == 1 and joinable:
+            return f"`{arg} {following}` is not an override: write {arg}{following}"
         if arg.startswith("=") and index > 0 and "=" not in args[index - 1]:
             return f"`{args[index - 1]} {arg}` is not an override: write {args[index - 1]}{arg}"
     return None
+
+
+# Flags after which Hydra prints and exits without running: the machine is not checked.
+PRINT_ONLY_FLAGS = {
+    "--help",
+    "-h",
+    "--hydra-help",
+    "--version",
+    "--cfg",
+    "-c",
+    "--info",
+    "-i",
+    "--shell-completion",
+    "-sc",
+}
 
 
 def check_command_line(args: list[str]) -> None:
@@ -121,13 +139,14 @@ def check_command_line(args: list[str]) -> None:
     if slip is not None:
         raise ConfigError(f"{slip} (overrides take no dashes and no spaces around '=')")
     overrides, hydra_overrides, multirun = split_command_line(args)
+    machine = not any(arg.split("=")[0] in PRINT_ONLY_FLAGS for arg in args)
     if multirun and started_by_torchrun():
         raise ConfigError(
             "sweeps (-m) under torchrun are not supported: run the sweep without "
             "torchrun; with ddp=true each job launches its own processes"
         )
     if multirun:
-        fixed, composed = check_sweep(overrides)
+        fixed, composed = check_sweep(overrides, machine)
         if "hydra/launcher=parallel" in hydra_overrides and any(cfg.ddp for cfg in composed):
             raise ConfigError(
                 "ddp=true inside hydra/launcher=parallel: each job holds one GPU, and a DDP job "
@@ -135,28 +154,29 @@ def check_command_line(args: list[str]) -> None:
                 "hydra/launcher=parallel (its jobs then take turns, each on every GPU)"
             )
     else:
-        check_composition(overrides)
+        check_composition(overrides, machine)
         fixed = overrides
     check_output_folder([*fixed, *hydra_overrides], multirun)
 
 
-def check_sweep(overrides: list[str]) -> tuple[list[str], list[TrainConfig]]:
+def check_sweep(overrides: list[str], machine: bool = True) -> tuple[list[str], list[TrainConfig]]:
     """Each swept value, composed with the fixed overrides; returns the fixed ones and the
     configs composed."""
     parsed = OverridesParser.create().parse_overrides(overrides)
     fixed = [override.input_line for override in parsed if not override.is_sweep_override()]
-    composed = [check_composition(fixed)]
+    composed = [check_composition(fixed, machine)]
     for override in parsed:
         if not override.is_sweep_override() or override.is_interval_sweep():
             continue  # an interval is an optimizer's search space: the schema checks each job
         key = override.get_key_element()
         for value in override.sweep_string_iterator():
-            composed.append(check_composition([*fixed, f"{key}={value}"]))
+            composed.append(check_composition([*fixed, f"{key}={value}"], machine))
     return fixed, composed
 
 
-def check_composition(overrides: list[str]) -> TrainConfig:
-    """The config these overrides compose to, validated; ConfigError in one line when they do not."""
+def check_composition(overrides: list[str], machine: bool = True) -> TrainConfig:
+    """The config these overrides compose to, validated, and (`machine`) what it needs of this
+    machine (trainer/preflight.py); ConfigError in one line when they do not."""
     try:
         with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
             cfg = compose("config", overrides=overrides)
@@ -165,6 +185,8 @@ def check_composition(overrides: list[str]) -> TrainConfig:
     train_config = to_train_config(cfg)
     if train_config.resume:
         resolve_checkpoint(train_config.resume)
+    if machine:
+        check_machine(train_config)
     if train_config.model.target:
         from trainer.models import check_target  # torch: the config is otherwise valid by now
 

@@ -12,6 +12,7 @@ import torch
 
 from trainer.config import DataConfig
 from trainer.data.sources.splits import DatasetNotFoundError, ImageSplit, Splits
+from trainer.preflight import cifar10_missing
 
 if TYPE_CHECKING:
     from torchvision import datasets
@@ -31,11 +32,7 @@ def load_cifar10(cfg: DataConfig) -> Splits:
             why = f"download failed: {str(error).splitlines()[0] if str(error) else type(error).__name__}"
         else:
             why = "no intact cifar-10-batches-py there and data.download=false"
-        raise DatasetNotFoundError(
-            f"CIFAR-10 not found in {root.resolve()} ({why}). Fix: "
-            "data.root=/path/to/folder-with-cifar-10-batches-py, or "
-            "data=imagefolder data.root=/path/to/class-folders, or data=synthetic"
-        ) from None
+        raise DatasetNotFoundError(cifar10_missing(root, why)) from None
 
     def split(dataset: datasets.CIFAR10) -> ImageSplit:
         images = torch.from_numpy(dataset.data).permute(0, 3, 1, 2).contiguous()  # NHWC -> NCHW

@@ -25,6 +25,7 @@ from trainer.config import DataConfig, DecodeMode
 from trainer.data.augment import IMAGE_SIZE
 from trainer.data.sources.decode_cache import CACHE_FOLDER, CACHE_SUFFIX, read_cache, write_cache
 from trainer.data.sources.splits import CorruptImageError, DatasetNotFoundError, ImageSplit, Splits
+from trainer.preflight import imagefolder_missing
 
 log = logging.getLogger(__name__)
 
@@ -132,11 +133,7 @@ def load_imagefolder(cfg: DataConfig, processes: int) -> Splits:
         try:
             found[split] = datasets.ImageFolder(folder)
         except (FileNotFoundError, OSError) as error:
-            raise DatasetNotFoundError(
-                f"no class folders in {folder.resolve()} ({str(error).splitlines()[0]}). Fix: "
-                "data.root=/path/with/train/<class>/ and test/<class>/ image folders, "
-                "or data=cifar10, or data=synthetic"
-            ) from None
+            raise DatasetNotFoundError(imagefolder_missing(folder, str(error).splitlines()[0])) from None
     if found["train"].classes != found["test"].classes:
         raise DatasetNotFoundError(
             f"{root}/train and {root}/test hold different class folders: make them match"
