@@ -171,7 +171,7 @@ def test_non_finite_loss_names_the_step_and_a_lower_learning_rate(outcomes):
     assert line.endswith("lower optim.lr (now 1e+30, a peak of 2.5e+29 at this batch)")
     [run] = run_folders(cwd / "outputs")
     metrics = read_metrics(run)
-    assert metrics["status"] == "failed"
+    assert metrics["status"] == "diverged"
     assert metrics["steps"] == 2
     assert metrics["error"] in line
     assert checkpoints_under(cwd / "outputs") == []

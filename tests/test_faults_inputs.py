@@ -343,7 +343,7 @@ LR_FAULTS = {
     "base-batch-1e12": (
         ("optim.lr_base_batch=1000000000000",),
         [
-            "optim.lr_base_batch=1000000000000 scales optim.lr=0.1 down to a peak lr of 3.2e-12 at this "
+            "optim.lr_base_batch=1000000000000 scales optim.lr=0.02 down to a peak lr of 6.4e-13 at this "
             "run's global batch (linear scaling): the weights will hardly change; give optim.lr for a batch "
             "near the run's, e.g. optim.lr_base_batch=128"
         ],

@@ -44,7 +44,8 @@ def test_the_optimizer_peaks_at_the_lr_scaled_to_batch_times_accumulation(tmp_pa
 
 
 def test_metrics_record_the_peak_lr(finished_run):
-    assert math.isclose(read_metrics(finished_run)["lr_peak"], 0.1 * 32 / 128)  # SGD: 0.1 per 128 images
+    # the cnn's SGD lr: 0.02 per 128 images (model.sgd_lr)
+    assert math.isclose(read_metrics(finished_run)["lr_peak"], 0.02 * 32 / 128)
 
 
 def test_a_base_batch_below_one_names_the_fix():

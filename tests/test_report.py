@@ -225,18 +225,18 @@ def test_factorial_summary_gives_each_toggles_mean_effect(toggle_sweep, tmp_path
     assert channels_last[1] == f"{layout_on:.2f}×" and channels_last[3] == "2"
 
 
-def test_a_failing_job_is_reported_as_failed(seed_sweep, tmp_path, capsys):
+def test_a_diverged_job_is_reported_as_diverged(seed_sweep, tmp_path, capsys):
     code, out, _ = run_report(seed_sweep, "--out", tmp_path, capsys=capsys)
     assert code == 0
     rows = {row["optim.lr"]: row for row in read_csv(tmp_path)}
     assert set(rows) == {"0.05", "1e+30"}
     failed = rows["1e+30"]
-    assert failed["status"] == "failed" and failed["n"] == "0"
+    assert failed["status"] == "diverged" and failed["n"] == "0"
     assert failed["img_per_s"] == failed["speedup"] == failed["test_acc"] == ""
     assert "training loss became nan" in failed["error"]
     assert rows["0.05"]["status"] == "completed" and rows["0.05"]["baseline"] == "yes"
     assert "## Jobs that did not complete" in out
-    assert out.count("failed: training loss became nan") == 2
+    assert out.count("diverged: training loss became nan") == 2
 
 
 def test_jobs_differing_only_in_seed_share_a_row_with_mean_and_std(seed_sweep, tmp_path, capsys):

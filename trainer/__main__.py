@@ -66,6 +66,8 @@ def run(
         sys.exit(1)
     if metrics["status"] == "interrupted" and not parallel:
         sys.exit(130)
+    if metrics["status"] == "diverged" and not (parallel or sweep):
+        sys.exit(1)  # the run's last line said why
     return metrics["test_acc"]
 
 

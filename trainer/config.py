@@ -52,6 +52,8 @@ class ModelConfig:
     conv_bias: bool = True  # false: no bias on convs followed by BatchNorm (it is redundant)
     grad_checkpointing: bool = False  # recompute residual stages in backward: memory for compute
     zero_init_residual: bool = False  # resnet18: each block's last BatchNorm scale starts at 0 (an identity)
+    # optim=sgd's lr for this model where the command line and recipe give none (conf/optim/sgd.yaml)
+    sgd_lr: float = 0.1
 
 
 @dataclass

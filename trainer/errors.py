@@ -1,7 +1,7 @@
 """The errors a user can fix, each printed as one line without a traceback.
 
-Owns: TrainerError (the base every module raises for such a problem) and ConfigError (a
-setting to change; its message names the key and the fix in override syntax). Both are
+Owns: TrainerError (the base every module raises for such a problem), ConfigError (a
+setting to change; its message names the key and the fix in override syntax) and Diverged. Both are
 importable from trainer.config as well.
 Must not touch: torch (the command-line check imports this before torch is loaded).
 """
@@ -17,3 +17,8 @@ class TrainerError(CompactHydraException):
 
 class ConfigError(TrainerError):
     pass
+
+
+class Diverged(TrainerError):
+    """The training ran away (a loss that is no longer finite, or grew far past where it began):
+    the run stops, marked `diverged` in metrics.json."""

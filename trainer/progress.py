@@ -22,6 +22,7 @@ class Progress:
     time_to_target_s: float | None = None
     epochs_to_target: int | None = None  # the epoch whose evaluation first reached target_acc
     best_test_acc: float | None = None
+    first_loss: float | None = None  # the first log window's training loss: what divergence is measured by
     history: list[dict] = field(default_factory=list)  # one record per completed epoch
 
     def state_dict(self) -> dict:

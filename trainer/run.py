@@ -35,6 +35,7 @@ from trainer.atomic import NotWritten
 from trainer.config import ExportFormat, TrainConfig
 from trainer.distributed import Ranks
 from trainer.ema import WeightAverage
+from trainer.errors import Diverged
 from trainer.export import export_model
 from trainer.logging import (
     METRICS,
@@ -52,6 +53,13 @@ from trainer.logging import (
 from trainer.progress import Progress
 
 log = logging.getLogger(__name__)
+
+# A run of this many epochs and optimizer steps or more whose last test accuracy is at most
+# this many times chance (1 / classes) did not learn (the cnn at lr 0.1 on 2,000 synthetic
+# images, 150 steps: 9.0%). Shorter runs, smoke tests among them, are not judged.
+CHANCE_EPOCHS = 3
+CHANCE_STEPS = 100
+CHANCE_MARGIN = 1.5
 
 
 def default_run_dir() -> Path:
@@ -88,6 +96,7 @@ class Run:
         self.overrides = list(overrides or [])
         self.progress = progress  # the loop advances it; checkpoints and summaries read it
         self.status = "running"
+        self.error: str | None = None  # why a run that ended its epochs is marked diverged
         self.device: torch.device | None = None  # once resolved
         self.parts: Parts | None = None  # once assembled
         self.resumed_from: str | None = None
@@ -184,6 +193,7 @@ class Run:
             )
             return
         self.status = "completed"
+        self.check_learned()
         if epochs_run == 0:  # resumed from a finished run: this run's folder still gets its checkpoint
             log.info("resume=%s had already finished: nothing left to train", self.cfg.resume)
             self.save_checkpoint()
@@ -278,6 +288,26 @@ class Run:
         self.resumed_from = path_in(self.run_dir, path)
         log.info("resumed from %s at epoch %d, step %d", path, self.progress.epoch, self.progress.step)
 
+    def check_learned(self) -> None:
+        """A run that trained CHANCE_EPOCHS epochs and CHANCE_STEPS steps or more and tests at
+        chance did not learn: it is marked `diverged`, with one line saying so and what to lower."""
+        tested = [record["test_acc"] for record in self.progress.history if "test_acc" in record]
+        chance = 1 / len(self.parts.classes)
+        judged = self.progress.epoch >= CHANCE_EPOCHS and self.progress.step >= CHANCE_STEPS
+        if not judged or not tested or tested[-1] > CHANCE_MARGIN * chance:
+            return
+        self.status = "diverged"
+        advice = (
+            "optim.lr is 0: set e.g. optim.lr=0.05"
+            if self.parts.lr_peak == 0
+            else self.parts.non_finite_advice
+        )
+        self.error = (
+            f"test accuracy {tested[-1]:.1%} after {self.progress.epoch} epochs is chance for "
+            f"{len(self.parts.classes)} classes: the run did not learn; {advice}"
+        )
+        log.error("%s", self.error)
+
     # ------------------------------------------------------------------ results
 
     def summary(self, ranks: Ranks | None) -> dict:
@@ -285,6 +315,7 @@ class Run:
         meter = self.parts.mfu if self.parts else mfu.Meter()  # nothing counted before assembly
         return {
             "status": self.status,
+            **({"error": self.error} if self.error else {}),
             **progress,
             "flops_per_image": meter.flops_per_image,
             "device": str(self.device) if self.device else self.cfg.device,
@@ -301,6 +332,8 @@ class Run:
     def record_failure(self, error: BaseException, ranks: Ranks | None) -> None:
         """A failed run leaves a complete metrics.json that says so (and no new checkpoint)."""
         self.status = "interrupted" if isinstance(error, KeyboardInterrupt) else "failed"
+        if isinstance(error, Diverged):
+            self.status = "diverged"
         # A launcher's own summary is empty: rank 0's record holds the run's progress.
         summary = {**self.summary(ranks), **self.ranks_record, "status": self.status}
         if self.progress.history and not self.ranks_record:
