@@ -93,5 +93,7 @@ def test_the_bar_rate_counts_the_wait_for_the_device_to_finish_the_window(monkey
     run = SimpleNamespace(log=SimpleNamespace(scalars=lambda *_: None))
     bar = SimpleNamespace(set_postfix=lambda **values: shown.update(values))
     window = [torch.tensor(2.0)] * 4
-    loop.log_window(parts, SimpleNamespace(step=4, epoch=0, first_loss=None), run, window, bar, started=clock.now)
+    loop.log_window(
+        parts, SimpleNamespace(step=4, epoch=0, first_loss=None), run, window, bar, started=clock.now
+    )
     assert shown["img_s"] == "400" and shown["loss"] == "2.000"

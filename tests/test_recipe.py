@@ -182,6 +182,13 @@ def test_the_weight_average_is_checkpointed_and_is_what_is_evaluated(recipe_run)
     assert result["checkpoint"] == str(Path("checkpoints") / "last.pt")  # the run folder's, however given
     flip = evaluate_run(str(recipe_run / "checkpoints" / "last.pt"), ["eval.tta=flip", "batch_size=50"])
     assert flip["test_acc"] == pytest.approx(metrics["test_acc"]) and "test_acc_tta" in flip
+    # each evaluation keeps its own file: the one above is still there, this one beside it
+    assert json.loads((recipe_run / EVALUATION).read_text()) == result
+    assert json.loads((recipe_run / "evaluation_eval.tta=flip,batch_size=50.json").read_text()) == flip
+    elsewhere = recipe_run.parent / "chosen.json"
+    assert evaluate_run(str(recipe_run), ["batch_size=50"], out=elsewhere) == json.loads(
+        elsewhere.read_text()
+    )
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit:FutureWarning")

@@ -231,9 +231,10 @@ def test_fused_optimizer(tmp_path):
     assert not built(tmp_path / "plain").optimizer.defaults.get("fused")
 
 
-def test_compile_really_compiles(tmp_path):
+def test_compile_really_compiles_and_says_what_the_warm_up_does(tmp_path, caplog):
     from torch._dynamo.utils import counters
 
+    caplog.set_level(logging.INFO)
     torch._dynamo.reset()
     counters.clear()
     trainer = built(tmp_path, "compile=true", "max_steps=2", "data.train_size=64", "data.test_size=32")
@@ -241,6 +242,25 @@ def test_compile_really_compiles(tmp_path):
     trainer.fit()
     assert counters["stats"]["unique_graphs"] >= 1
     torch._dynamo.reset()
+    lines = caplog.messages
+    assert any(line.startswith("compile=true on a CPU: compiling takes minutes") for line in lines)
+    [start] = [line for line in lines if line.startswith("warm-up: 3 steps per image size")]
+    assert "(torch.compile, default)" in start and "a first run of these settings compiles" in start
+    assert lines.index(start) < next(i for i, line in enumerate(lines) if "compiled and autotuned in" in line)
+
+
+def test_a_long_block_says_it_still_runs(caplog):
+    import time
+
+    from trainer.logging import still_running
+
+    caplog.set_level(logging.INFO)
+    with still_running("warm-up", every_s=0.05):
+        time.sleep(0.5)  # ten intervals: at least one line, however busy the machine
+    said = [line for line in caplog.messages if line.startswith("warm-up: still running, ")]
+    assert said and all(line.endswith(" s so far") for line in said)
+    time.sleep(0.2)
+    assert len([line for line in caplog.messages if line.startswith("warm-up: still running")]) == len(said)
 
 
 def test_cuda_graphs_off_cuda_compile_in_the_default_mode_and_say_so_once(caplog):

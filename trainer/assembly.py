@@ -91,6 +91,7 @@ class Parts:
     target_acc: float | None
     # measuring and diagnosing
     warm_up_steps: int  # trained and undone before the clock starts (compile, cuDNN autotuning)
+    warm_up_work: str  # what those steps are for, for the run's log
     low_res_epochs: int  # the first epochs train on smaller images: a second shape to warm up
     mfu: mfu.Meter
     timer: object  # trainer.timing's data-wait timer: wrap(batches), step_done(), wait_seconds()
@@ -169,6 +170,7 @@ def assemble(cfg: TrainConfig, ranks: Ranks, device: torch.device) -> Parts:
         tta_views=evaluation.tta_views(cfg.eval.tta),
         target_acc=cfg.target_acc,
         warm_up_steps=warm_up_steps,
+        warm_up_work=perf.warm_up_work(cfg, device, captured=step_graph is not None),
         low_res_epochs=cfg.data.low_res_epochs,
         mfu=meter,
         timer=data_wait_timer(cfg.measure_data_wait, device.type),

@@ -1,10 +1,12 @@
-"""`python -m trainer.evaluate RUN [key=value ...] [--export FORMAT]`: test metrics of a saved run.
+"""`python -m trainer.evaluate RUN [key=value ...] [--export FORMAT] [--out FILE]`: test metrics.
 
 RUN is a run folder (holding checkpoints/last.pt) or a checkpoint file. The run's own config
 is used, with the overrides on top: `eval.tta=flip_translate`, `device=cpu`, `batch_size=1000`,
 `data.root=/elsewhere`. The evaluated weights are the run's weight average when it trained
-with ema, else its weights. The metrics are printed and written to evaluation.json in the run
-folder; `--export` also saves the model for inference there (export/, see trainer.export).
+with ema, else its weights. The metrics are printed and written into the run folder, to
+evaluation.json for its own settings and evaluation_<overrides>.json for others (each
+evaluation keeps its file), or to --out; `--export` also saves the model for inference there
+(export/, see trainer.export).
 """
 
 # (This docstring is the command's --help.) Must not touch: training; it takes no decisions of
@@ -30,6 +32,7 @@ from trainer.config import (
     to_train_config,
     unknown_key_message,
 )
+from trainer.job_names import overrides_text
 
 log = logging.getLogger("trainer.evaluate")
 EVALUATION = "evaluation.json"
@@ -93,7 +96,18 @@ def evaluated_weights(state: dict) -> tuple[str, dict]:
     }
 
 
-def evaluate_run(run: str, overrides: list[str], export: ExportFormat = ExportFormat.none) -> dict:
+def evaluation_file(folder: Path, overrides: list[str]) -> Path:
+    """Where an evaluation is written unless --out says: evaluation.json for the run's own
+    settings, evaluation_<overrides>.json for others, so that each keeps its own file."""
+    if not overrides:
+        return folder / EVALUATION
+    return folder / f"evaluation_{overrides_text(overrides)}.json"
+
+
+def evaluate_run(
+    run: str, overrides: list[str], export: ExportFormat = ExportFormat.none, out: Path | None = None
+) -> dict:
+    """The evaluation's record, also written to `out` (default: evaluation_file)."""
     checkpoint_file(run)  # mistakes in the command line are answered before torch is imported
     check_overrides(overrides)
     import torch
@@ -144,7 +158,7 @@ def evaluate_run(run: str, overrides: list[str], export: ExportFormat = ExportFo
     }
     if export is not ExportFormat.none:
         result["export"] = path_in(folder, export_model(model, export, folder))
-    write_json_atomic(folder / EVALUATION, result, "the evaluation", fix=ROOM)
+    write_json_atomic(out or evaluation_file(folder, overrides), result, "the evaluation", fix=ROOM)
     return result
 
 
@@ -160,6 +174,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     choices = [fmt.value for fmt in ExportFormat if fmt is not ExportFormat.none]
     parser.add_argument("--export", choices=choices, help="also save the model for inference (export/)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="the JSON file to write (default: the run folder's evaluation.json, or "
+        "evaluation_<overrides>.json when overrides are given)",
+    )
     return parser.parse_args(argv)
 
 
@@ -167,12 +187,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     try:
-        result = evaluate_run(args.run, args.overrides, ExportFormat(args.export or "none"))
+        result = evaluate_run(args.run, args.overrides, ExportFormat(args.export or "none"), args.out)
     except TrainerError as error:
         print(f"evaluate: error: {error}", file=sys.stderr)
         return 1
     print(json.dumps(result, indent=2))
-    print(f"wrote {run_folder(checkpoint_file(args.run)) / EVALUATION}", file=sys.stderr)
+    written = args.out or evaluation_file(run_folder(checkpoint_file(args.run)), args.overrides)
+    print(f"wrote {written}", file=sys.stderr)
     return 0
 
 

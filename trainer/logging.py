@@ -14,6 +14,7 @@ import re
 import shlex
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -36,6 +37,27 @@ class BelowLevel(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         return record.levelno < self.level
+
+
+@contextlib.contextmanager
+def still_running(what: str, every_s: float = 30.0) -> Iterator[None]:
+    """While the block runs, a line every `every_s` seconds saying it still does (a compile
+    warm-up can take minutes with nothing else to show)."""
+    stop, started = threading.Event(), time.perf_counter()
+
+    def beat() -> None:
+        while not stop.wait(every_s):
+            logging.getLogger("trainer.loop").info(
+                "%s: still running, %.0f s so far", what, time.perf_counter() - started
+            )
+
+    thread = threading.Thread(target=beat, name="still-running", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 def write_json_atomic(

@@ -30,7 +30,7 @@ import torch
 from trainer import distributed, evaluation, tags
 from trainer.assembly import Parts
 from trainer.errors import Diverged
-from trainer.logging import percent
+from trainer.logging import percent, still_running
 from trainer.progress import Progress
 
 if TYPE_CHECKING:
@@ -234,6 +234,20 @@ def warm_up(parts: Parts, epoch: int, evaluate: Callable[[], dict]) -> float:
     if not parts.warm_up_steps:
         return 0.0
     started = time.perf_counter()
+    log.info(
+        "warm-up: %d steps per image size and one evaluation before the clock starts (%s); a "
+        "first run of these settings compiles from scratch, a later one reads torch's caches",
+        parts.warm_up_steps,
+        parts.warm_up_work,
+    )
+    with still_running("warm-up"):
+        warm_up_steps(parts, epoch, evaluate)
+    seconds = time.perf_counter() - started
+    log.info("warm-up: %d steps compiled and autotuned in %.1f s (compile_s)", parts.warm_up_steps, seconds)
+    return seconds
+
+
+def warm_up_steps(parts: Parts, epoch: int, evaluate: Callable[[], dict]) -> None:
     changed = {"model": parts.raw_model, "optimizer": parts.optimizer}
     if parts.scaler.is_enabled():
         changed["scaler"] = parts.scaler
@@ -250,9 +264,6 @@ def warm_up(parts: Parts, epoch: int, evaluate: Callable[[], dict]) -> float:
         part.load_state_dict(saved[name])
     evaluate()  # cuDNN's autotuning of the evaluation's shapes, outside time to target
     parts.synchronize()
-    seconds = time.perf_counter() - started
-    log.info("warm-up: %d steps compiled and autotuned in %.1f s (compile_s)", parts.warm_up_steps, seconds)
-    return seconds
 
 
 def evaluate(parts: Parts) -> dict:

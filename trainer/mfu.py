@@ -107,7 +107,7 @@ def meter(
     else:
         counted = Meter(flops)
     if device.type != "cuda":
-        log.debug("MFU not reported: no peak FLOP/s known for %s (mfu is null)", device)  # nothing to act on
+        log.info("MFU not reported: no peak FLOP/s is known for %s devices (mfu is null)", device.type)
         return counted
     name, precision_name = torch.cuda.get_device_name(device), precision(cfg, device)
     tflops = peak_tflops(name, precision_name)

@@ -32,7 +32,7 @@ import torch
 
 from trainer.config import AmpDtype, TrainConfig
 from trainer.perf.all_reduce import BufferAverage, GradientAverage, broadcast_module
-from trainer.perf.backend import WARM_UP_STEPS, apply_backend_flags, warm_up_steps
+from trainer.perf.backend import WARM_UP_STEPS, apply_backend_flags, warm_up_steps, warm_up_work
 from trainer.perf.cpu_bf16 import cpu_bf16_slowdown
 from trainer.perf.ddp import (
     DDP_TOGGLES,
@@ -94,6 +94,7 @@ __all__ = [
     "StepGraph",
     "unused_ddp_toggles",
     "warm_up_steps",
+    "warm_up_work",
     "worker_count",
     "zero_grad",
 ]

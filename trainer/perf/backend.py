@@ -52,3 +52,13 @@ def warm_up_steps(cfg: TrainConfig, device: torch.device, captured: bool) -> int
     do on the first shapes; else none."""
     autotuning = device.type == "cuda" and torch.backends.cudnn.benchmark
     return WARM_UP_STEPS if cfg.compile or autotuning or captured else 0
+
+
+def warm_up_work(cfg: TrainConfig, device: torch.device, captured: bool) -> str:
+    """What the warm-up steps are for, in the words of the run's log."""
+    work = [f"torch.compile, {cfg.compile_mode.name}"] if cfg.compile else []
+    if device.type == "cuda" and torch.backends.cudnn.benchmark:
+        work.append("cuDNN autotuning")
+    if captured:
+        work.append("the step's CUDA graph captured")
+    return "; ".join(work)

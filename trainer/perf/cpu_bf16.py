@@ -21,10 +21,13 @@ import time
 
 import torch
 
-# bf16 is called slower only beyond this ratio. The bad case measured was 10-13x; on a busy
-# 2-core host single timings of this step scattered from 0.1x to 4.7x where bf16 is faster,
-# and the fastest of several, taken in turns, stays well under 3.
-SLOWER_BEYOND = 3.0
+# bf16 is called slower beyond this ratio: amp costing 1.3x or more of a training run's time
+# is worth a line. The probe reads high rather than low against training: a 2-core Xeon with
+# AVX-512 and no bf16 units trained 2.2x slower with amp while the probe read 3.3-4.0x (an
+# earlier threshold of 3 missed one start there). Where bf16 is faster (a 2-core AMD EPYC,
+# 1.5-1.7x faster training) the fastest of several timings taken in turns read 0.45-0.59x,
+# whatever single timings on a busy host scattered to.
+SLOWER_BEYOND = 1.3
 
 
 def cpu_has_amx() -> bool | None:
