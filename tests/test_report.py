@@ -392,3 +392,31 @@ def test_a_job_timed_with_its_warm_up_is_neither_baseline_nor_half_of_a_toggle_p
     [amp] = markdown_rows(out, "amp")
     [channels_last] = markdown_rows(out, "channels_last")
     assert amp[3] == channels_last[3] == "1"  # the pairs without job 0
+
+
+@pytest.mark.parametrize(
+    ("written", "problem"),
+    [
+        ("[1, 2, 3]", "metrics.json holds a list, not an object"),
+        ('"done"', "metrics.json holds a str, not an object"),
+        ('{"status": "completed", "img_per_s": "fast"}', "metrics.json's img_per_s is 'fast', not a number"),
+        ('{"status": "completed", "history": [1, 2]}', "metrics.json's history is not a list of objects"),
+        (
+            '{"status": "completed", "history": [{"test_acc": "high"}]}',
+            "metrics.json's history[0].test_acc is 'high', not a number",
+        ),
+    ],
+)
+def test_a_malformed_metrics_json_is_one_line_and_the_other_jobs_come_out(
+    toggle_sweep, tmp_path, capsys, written, problem
+):
+    """R11: the job is reported as malformed, as a failed one is; no traceback."""
+    sweep_copy = tmp_path / "sweep"
+    shutil.copytree(toggle_sweep, sweep_copy)
+    broken, *others = run_folders(sweep_copy)
+    (broken / "metrics.json").write_text(written)
+    code, out, _ = run_report(sweep_copy, "--out", tmp_path / "report", capsys=capsys)
+    assert code == 0
+    assert f"- {broken.name.split('_')[0]} ({broken}): malformed metrics.json: {problem}" in out
+    rows = read_csv(tmp_path / "report")
+    assert sum(int(row["n"] or 0) for row in rows) == len(others)

@@ -28,6 +28,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from trainer import parallel_jobs
+from trainer.report.jobs import NO_METRICS, UNREADABLE, read_metrics
 
 STOP_FLAG = ".stop"  # in the sweep folder: jobs that have not started yet do not
 EXIT_FAILED, EXIT_STOPPED = 1, 130
@@ -61,14 +62,12 @@ def stop_parallel_sweep(signum: int, _frame) -> None:
 
 
 def job_status(folder: Path) -> tuple[str, str]:
-    """(completed | failed | interrupted | running | not run, the error if any)."""
-    try:
-        metrics = json.loads((folder / "metrics.json").read_text())
-    except (OSError, ValueError):
+    """(completed | diverged | failed | interrupted | running | malformed metrics.json | not
+    run, the error if any), as the report reads the job (trainer/report/jobs.py)."""
+    metrics, status = read_metrics(folder)
+    if status in (NO_METRICS, UNREADABLE):
         return "not run", ""
-    if not isinstance(metrics, dict):
-        return "failed", "metrics.json is not an object"
-    return str(metrics.get("status", "failed")), str(metrics.get("error") or "")
+    return status, str(metrics.get("error") or "")
 
 
 def outcome() -> tuple[str, int] | None:

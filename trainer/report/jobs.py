@@ -21,6 +21,7 @@ from trainer.trials import includes_warm_up
 
 BOOLEANS = ("false", "true")
 NO_METRICS = "no metrics.json"
+UNREADABLE = "unreadable metrics.json"
 # read from metrics.json
 JOB_NUMBERS = ("img_per_s", "test_acc", "peak_mem_mb", "data_wait_frac", "compile_s", "wall_s")
 
@@ -84,8 +85,37 @@ def read_metrics(folder: Path) -> tuple[dict, str]:
     try:
         metrics = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError):
-        return {}, "unreadable metrics.json"
+        return {}, UNREADABLE
+    problem = shape_problem(metrics)
+    if problem is not None:
+        return {"error": problem}, "malformed metrics.json"
     return metrics, str(metrics.get("status", "unknown"))
+
+
+# The figures the report computes with, in metrics.json and in each epoch of its history.
+NUMBERS = (*JOB_NUMBERS, "time_to_target_s", "target_acc", "best_test_acc", "test_acc_tta", "mfu")
+HISTORY_NUMBERS = ("test_acc", "test_acc_tta", "train_time_s", "eval_s", "wall_s", "img_per_s", "epoch_s")
+
+
+def shape_problem(metrics: object) -> str | None:
+    """What makes a metrics.json unusable for the report (one phrase), or None."""
+    if not isinstance(metrics, dict):
+        return f"metrics.json holds a {type(metrics).__name__}, not an object"
+    wrong = [key for key in NUMBERS if not is_number_or_null(metrics.get(key))]
+    if wrong:
+        return f"metrics.json's {wrong[0]} is {metrics[wrong[0]]!r}, not a number"
+    history = metrics.get("history", [])
+    if not isinstance(history, list) or not all(isinstance(entry, dict) for entry in history):
+        return "metrics.json's history is not a list of objects"
+    for index, entry in enumerate(history):
+        wrong = [key for key in HISTORY_NUMBERS if not is_number_or_null(entry.get(key))]
+        if wrong:
+            return f"metrics.json's history[{index}].{wrong[0]} is {entry[wrong[0]]!r}, not a number"
+    return None
+
+
+def is_number_or_null(value: object) -> bool:
+    return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))
 
 
 def time_to_target(history: list[dict], target: float) -> float | None:
