@@ -179,6 +179,31 @@ def live_folder(tmp_path_factory) -> dict[str, Outcome]:
 
 
 @pytest.fixture(scope="module")
+def closed_console(tmp_path_factory) -> dict[str, Outcome]:
+    """R12: stdout piped into `head -1`, which leaves after one line, and stdout on /dev/full."""
+    outcomes = {}
+    for name, redirect in (("head", "| head -1 > /dev/null"), ("full", "> /dev/full")):
+        cwd = tmp_path_factory.mktemp(f"console-{name}")
+        command = f"{sys.executable} -m trainer {' '.join(SMALL)} epochs=2 hydra.run.dir=run {redirect}"
+        result = subprocess.run(
+            ["bash", "-c", f"{command}; exit ${{PIPESTATUS[0]}}"],
+            cwd=cwd,
+            env=cli_environment(),
+            capture_output=True,
+            text=True,
+            timeout=HANG_GUARD_S,
+        )
+        outcomes[name] = Outcome(cwd / "run", result.returncode, result.stdout, result.stderr)
+    return outcomes
+
+
+def one_line_about_the_console(outcome: Outcome) -> None:
+    assert len(lines(outcome.stderr)) == 1, outcome.stderr  # no `--- Logging error ---` blocks
+    log = (outcome.run_dir / "__main__.log").read_text()
+    assert "epoch 2/2 | step 16" in log  # the log file kept every line
+
+
+@pytest.fixture(scope="module")
 def metrics_on_a_full_disk(tmp_path_factory) -> Outcome:
     """R6: the disk is full (a 64-byte file-size limit) when the second epoch's metrics.json
     is written; the limit stays for the rest of the run, its failure record included."""
@@ -353,6 +378,20 @@ ROWS = {
         "stopped_ddp_run", 130, metrics={"status": "interrupted"}, check=stopped_within_two_steps
     ),
     "minor-ddp-rank0-progress-on-stdout": Row("killed_rank", 1, check=progress_on_stdout),
+    "R12-stdout-into-head": Row(
+        "closed_console:head",
+        0,
+        ("trainer: <stdout> cannot be written (BrokenPipeError): the run goes on",),
+        metrics={"status": "completed"},
+        check=one_line_about_the_console,
+    ),
+    "R12-stdout-on-a-full-device": Row(
+        "closed_console:full",
+        0,
+        ("trainer: <stdout> cannot be written (OSError): the run goes on",),
+        metrics={"status": "completed"},
+        check=one_line_about_the_console,
+    ),
 }
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import re
 import shlex
 import sys
@@ -213,9 +214,40 @@ class SilentRunLog(RunLog):
         pass
 
 
+class ConsoleHandler(logging.StreamHandler):
+    """A console stream that goes quiet once it cannot be written (stdout closed, piped into
+    `head` that has left, a full device): one line on stderr says so, the run goes on, and its
+    log file keeps every line. logging's own handler would print a `--- Logging error ---`
+    block for every line after (778 lines of stderr for a 16-step run piped to `head -3`)."""
+
+    silenced = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not self.silenced:
+            super().emit(record)
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        error = sys.exc_info()[1]
+        if not isinstance(error, (OSError, ValueError)):  # ValueError: a closed file
+            super().handleError(record)
+            return
+        self.silenced = True
+        name = getattr(self.stream, "name", "the console")
+        with contextlib.suppress(OSError, ValueError):
+            # later writes (print, the interpreter's last flush) go nowhere instead of failing
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self.stream.fileno())
+        if self.stream is not sys.stderr:
+            with contextlib.suppress(OSError, ValueError):
+                sys.stderr.write(
+                    f"trainer: {name} cannot be written ({type(error).__name__}): the run goes on, "
+                    "its log file keeps every line\n"
+                )
+
+
 def console_handlers() -> list[logging.Handler]:
     """The command line's console: progress to stdout, warnings and errors to stderr."""
-    progress, problems = logging.StreamHandler(sys.stdout), logging.StreamHandler(sys.stderr)
+    progress, problems = ConsoleHandler(sys.stdout), ConsoleHandler(sys.stderr)
     progress.addFilter(BelowLevel(logging.WARNING))
     problems.setLevel(logging.WARNING)
     for handler in (progress, problems):
