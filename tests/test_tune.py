@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -383,6 +384,28 @@ def test_a_tune_stopped_by_sigterm_keeps_its_trials_and_leaves_nothing_running(t
     for lock in out.glob("trials/*/run.lock"):  # the trial in flight, killed: its lock names it
         pid = json.loads(lock.read_text())["pid"]
         assert ends_soon(pid), f"the trial in flight ({pid}) still runs after the tuner stopped"
+
+
+@pytest.mark.parametrize("start", ["forked", "fresh"])
+def test_a_tuner_killed_with_sigkill_takes_its_trial_along(tmp_path, start):
+    """R9: no handler runs on SIGKILL; the trial in flight dies with the tuner all the same."""
+    out = tmp_path / "tuned"
+    long_trial = ["model=cnn", "data=synthetic", "data.train_size=4096", "data.test_size=64", "batch_size=32"]
+    command = [sys.executable, "-m", "trainer.tune", *long_trial, "--out", str(out), "--epochs", "2"]
+    tune = subprocess.Popen(
+        [*command, "--trial-start", start, "--repeats", "1", "--toggles", "set_to_none"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    waited, locks = 0.0, []
+    while not locks and tune.poll() is None and waited < HANG_GUARD_S:
+        time.sleep(0.2)
+        waited += 0.2
+        locks = [lock for lock in out.glob("trials/*/run.lock") if lock.read_text().strip()]
+    assert locks, "no trial started"
+    trial = json.loads(locks[0].read_text())["pid"]
+    os.killpg(tune.pid, signal.SIGKILL)  # the tuner's group: its trials lead groups of their own
+    tune.wait()
+    assert ends_soon(trial), f"the trial ({trial}) still runs after its tuner was killed"
 
 
 @pytest.mark.parametrize(

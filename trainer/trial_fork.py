@@ -35,7 +35,7 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-from trainer.trials import Trial, kill_tree, trial_left
+from trainer.trials import Trial, die_with_parent, kill_tree, trial_left
 
 PRELOAD = ("trainer.__main__", "trainer.trainer", "torch._dynamo", "torch.utils.tensorboard")
 NO_CUDA_AFTER_FORK = (
@@ -71,6 +71,9 @@ def trial_process(overrides: list[str], output_dir: str, environment: dict[str, 
     output_dir, in a process group of its own, with the caller's environment (the forkserver
     has the one it started with; what a module read from it when it was imported stays)."""
     os.setsid()  # a trial stopped at its limit is stopped with everything it started
+    # Its parent is the forkserver, which exits when the tuner dies (its pipe from the tuner
+    # closes): the trial goes with it, however the tuner was killed.
+    die_with_parent()
     if environment is not None:
         os.environ.clear()
         os.environ.update(environment)

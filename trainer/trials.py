@@ -19,6 +19,7 @@ only by `gpu_name()` and its callers, so the report can use this module without 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import platform
@@ -90,13 +91,14 @@ def run_trial(
     env: dict | None = None,
 ) -> Trial:
     """Run one trial process; its output is kept in run_dir/output.log (up to the time limit,
-    when it hits it). The trial gets a process group of its own, and a trial stopped at the
+    when it hits it). The trial dies with this process (die_with_parent). The trial gets a
+    process group of its own, and a trial stopped at the
     limit or by the caller's interrupt takes every process in it along (DDP ranks and loader
     workers are its children: left running, they would hold the GPUs of the next trial)."""
     started = time.perf_counter()
     process = subprocess.Popen(
         command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True,
+        start_new_session=True, preexec_fn=die_with_parent,
     )  # fmt: skip
     returncode: int | None
     try:
@@ -123,6 +125,23 @@ def trial_left(
     finished = returncode is not None and metrics_file.is_file()
     metrics = json.loads(metrics_file.read_text()) if finished else {}
     return Trial(run_dir, metrics, returncode, stdout, stderr, process_s, timeout_s)
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_parent() -> None:
+    """SIGKILL to this process when the process that started it dies, whatever kills that one
+    (kill -9 included, where no handler of the parent's can run); Linux only, nothing elsewhere.
+    A trial outliving its tuner ran on for 70-78 s and wrote into the tune folder. If the
+    parent is gone already (it died before this call), this process exits at once."""
+    if sys.platform != "linux":
+        return
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 def kill_tree(leader: int) -> None:
