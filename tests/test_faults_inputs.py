@@ -205,6 +205,10 @@ class Centered(Head):
 class Itemized(Head):
     def forward(self, x):
         return self.linear(x.flatten(1)) * (1 + 0 * x.abs().max().item())
+
+
+def on_meta(num_classes):
+    return nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, num_classes, device="meta"))
 """
 
 
@@ -238,6 +242,9 @@ TARGET_FAULTS = {
     "per class",
     "Broken": "model.target=faulty_nets:Broken: its forward pass of a (2, 3, 32, 32) batch raised "
     f"AttributeError: 'Broken' object has no attribute 'bias' at faulty_nets.py:36: {FIX}",
+    "on_meta": "model.target=faulty_nets:on_meta: 1.weight and 1 more of the model on_meta(10) returned are "
+    "on the meta device, which holds no values to train: create the model's tensors on the CPU (no "
+    "device='meta', no empty-weight initialization)",
 }
 
 

@@ -147,6 +147,15 @@ def build_target(target: str, num_classes: int, builder: Callable | None = None)
             f"model.target={target} returned a {type(model).__name__}, not a torch.nn.Module: "
             f"make {name}(num_classes) return one"
         )
+    if torch.get_default_device().type != "meta":  # built for real: no tensor may be left on meta
+        on_meta = [key for key, tensor in model.state_dict().items() if tensor.is_meta]
+        if on_meta:
+            more = f" and {len(on_meta) - 1} more" if len(on_meta) > 1 else ""
+            raise ConfigError(
+                f"model.target={target}: {on_meta[0]}{more} of the model {name}({num_classes}) returned "
+                "are on the meta device, which holds no values to train: create the model's tensors "
+                "on the CPU (no device='meta', no empty-weight initialization)"
+            )
     return model
 
 
@@ -201,7 +210,8 @@ def check_target(target: str, num_classes: int = 10) -> None:
     """Build model.target and forward a batch through it before anything else is built, on a
     copy that is thrown away: on the meta device (shapes only: no memory, no arithmetic) and,
     where that fails, once more on the CPU, whose verdict stands (code the meta device cannot
-    run: weights read from a file, a data-dependent op). The command line checks with CIFAR-10's
+    run: weights read from a file, a data-dependent op); where it passes, built on the CPU
+    without a forward pass, to find tensors left on the meta device. The command line checks with CIFAR-10's
     10 classes; build_model checks again with the dataset's count (an image folder's may differ)."""
     builder = import_target(target)  # outside the meta device: the module's own tensors stay real
     try:
@@ -209,6 +219,10 @@ def check_target(target: str, num_classes: int = 10) -> None:
             dry_run(target, builder, num_classes)
     except ConfigError:
         dry_run(target, builder, num_classes)
+    else:
+        # built once more on the CPU, without a forward pass: tensors the target itself put on
+        # the meta device look like every other there, and would fail only at model.to(device)
+        build_target(target, num_classes, builder)
 
 
 def shapes_only(cfg: ModelConfig) -> ModelConfig:
