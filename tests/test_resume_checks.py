@@ -58,8 +58,15 @@ def refusal(overrides: list[str], run_dir: Path) -> str:
             "was trained on 10 classes, this data has 2: resume on the data it was trained on "
             "(data=synthetic)",
         ),
+        (
+            ["optim.lr=0.5"],
+            "was saved with optim.lr=0.02, this config has 0.5: a resume trains with the "
+            "checkpoint's optim.lr, so set optim.lr=0.02, or start a new run without resume",
+        ),
+        (["seed=3"], "was saved with seed=0, this config has 3: a resume trains with the checkpoint's seed"),
+        (["fused_optimizer=true"], "was saved with fused_optimizer=false, this config has true"),
     ],
-    ids=["optimizer", "model", "schedule", "class-count"],
+    ids=["optimizer", "model", "schedule", "class-count", "lr", "seed", "fused"],
 )
 def test_a_resume_that_does_not_fit_says_what_to_set(tmp_path, finished_run, two_classes, overrides, message):
     overrides = [override.format(two_classes=two_classes) for override in overrides]
@@ -75,7 +82,8 @@ def test_resuming_without_conv_biases_from_a_run_with_them_says_to_keep_them(tmp
     resnet18 step is needed to show the refusal, and one costs seconds on a CPU)."""
     state = torch.load(finished_run / "checkpoints" / "last.pt", weights_only=False)
     state["model"] = build_model(ModelConfig(name=ModelName.resnet18, conv_bias=True), 10).state_dict()
-    state["config"]["model"].update(name="resnet18", conv_bias=True)
+    state["config"]["model"].update(name="resnet18", conv_bias=True, sgd_lr=0.1)
+    state["config"]["optim"]["lr"] = 0.1  # resnet18's own (model.sgd_lr): only conv_bias differs
     with_biases = tmp_path / "with-biases.pt"
     torch.save(state, with_biases)
 
@@ -160,3 +168,99 @@ def test_a_resume_of_another_length_is_refused_before_torch_and_a_run_folder(tmp
         "set epochs=1 as saved, or start a new run without resume"
     )
     assert run_folders(tmp_path / "outputs") == [run]
+
+
+# What each setting does on resume, other than those the checkpoint decides (RESTORED_SETTINGS):
+STATE_SHAPING_SETTINGS = (
+    "model.name",
+    "model.target",
+    "model.conv_bias",
+    "optim.name",
+    "optim.schedule",
+    "ema.enabled",
+)  # refused: what the checkpoint holds has their shape
+STEP_SETTINGS = (
+    "epochs",
+    "max_steps",
+    "batch_size",
+    "grad_accum_steps",
+    "data.train_size",
+    "devices",
+    "ddp",
+)  # refused where they change the schedule's length in steps
+APPLIED_SETTINGS = (  # read afresh by the resumed run: a change applies, and is recorded as applied
+    "model.grad_checkpointing",
+    "data.source",
+    "data.root",
+    "data.download",
+    "data.test_size",
+    "data.augment",
+    "data.crop_padding",
+    "data.flip",
+    "data.loader",
+    "data.decode",
+    "data.decode_cache",
+    "data.prefetch",
+    "data.cutout",
+    "data.low_res",
+    "data.low_res_epochs",
+    "optim.label_smoothing",
+    "eval.tta",
+    "eval.from_epoch",
+    "ema.decay",
+    "ema.update_every",
+    "device",
+    "eval_every",
+    "resume",
+    "deterministic",
+    "log_every",
+    "tb_step",
+    "target_acc",
+    "export",
+    "amp",
+    "amp_dtype",
+    "set_to_none",
+    "num_workers",
+    "pin_memory",
+    "persistent_workers",
+    "prefetch_factor",
+    "non_blocking",
+    "channels_last",
+    "cudnn_benchmark",
+    "tf32",
+    "compile",
+    "compile_mode",
+    "step_graph",
+    "measure_data_wait",
+    "profile",
+    "ddp_backend",
+    "ddp_max_restarts",
+    "ddp_sync",
+    "ddp_comm_hook",
+    "ddp_bucket_cap_mb",
+    "ddp_gradient_as_bucket_view",
+    "ddp_static_graph",
+    "data_parallel",
+)
+
+
+def test_every_setting_either_applies_on_resume_or_is_refused_when_changed():
+    """R10: no field of the schema is left unclassified; a new one fails here until it is."""
+    from omegaconf import OmegaConf
+
+    from trainer.checkpoint import RESTORED_SETTINGS, STATE_SHAPING
+    from trainer.config import TrainConfig
+    from trainer.logging import flatten
+
+    fields = set(flatten(OmegaConf.to_container(OmegaConf.structured(TrainConfig))))
+    groups = [RESTORED_SETTINGS, STATE_SHAPING_SETTINGS, STEP_SETTINGS, APPLIED_SETTINGS]
+    classified = [key for group in groups for key in group]
+    assert len(classified) == len(set(classified)), "a setting in two lists"
+    assert set(classified) == fields, (fields - set(classified), set(classified) - fields)
+    assert {f"{group}.{key}" for group, key in STATE_SHAPING} <= set(STATE_SHAPING_SETTINGS)
+
+
+def test_a_changed_lr_on_resume_is_refused_before_anything_trains(tmp_path, finished_run):
+    """The reproducer of R10: the new lr would be logged and recorded, the saved one trained with."""
+    line = refusal([*FINISHED, "optim.lr=0.5", f"resume={finished_run}"], tmp_path / "resumed")
+    assert "optim.lr=0.02, this config has 0.5" in line

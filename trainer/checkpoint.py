@@ -126,6 +126,55 @@ STATE_SHAPING = {
 }
 
 
+# Settings whose effect a resume takes from the checkpoint, not from the config: the
+# optimizer's hyperparameters and flags (torch loads its param_groups as saved), the schedule's
+# shape (the scheduler's state), what only the initial weights see (those are loaded) and the
+# seed (the RNG states are loaded). A resume that changed one would record the new value and
+# train with the saved one (optim.lr=0.5 logged and written as a peak of 0.125 while training
+# went on at the checkpoint's 0.025), so it is refused, naming the setting. The schema's other
+# settings apply as given; tests/test_resume_checks.py holds every field to one of the lists.
+RESTORED_SETTINGS = (
+    "optim.lr",
+    "optim.lr_base_batch",
+    "optim.lr_scaling",
+    "optim.momentum",
+    "optim.nesterov",
+    "optim.weight_decay",
+    "optim.betas",
+    "optim.warmup_frac",
+    "optim.lr_start_frac",
+    "optim.norm_bias_lr_scale",
+    "model.sgd_lr",
+    "model.zero_init_residual",
+    "fused_optimizer",
+    "seed",
+)
+
+
+def dotted(config: dict, key: str, default=None):
+    for part in key.split("."):
+        if not isinstance(config, dict) or part not in config:
+            return default
+        config = config[part]
+    return config
+
+
+def shown(value) -> str:
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def check_restored_settings(resume: str, saved: dict, config: dict) -> None:
+    missing = object()  # an older checkpoint without the key: nothing to compare
+    for key in RESTORED_SETTINGS:
+        saved_value, value = dotted(saved, key, missing), dotted(config, key)
+        if saved_value is not missing and saved_value != value:
+            raise ConfigError(
+                f"resume={resume} was saved with {key}={shown(saved_value)}, this config has "
+                f"{shown(value)}: a resume trains with the checkpoint's {key}, so set "
+                f"{key}={shown(saved_value)}, or start a new run without resume"
+            )
+
+
 def check_compatible(
     state: dict, config: dict, total_steps: int, model_state: dict, classes: list[str]
 ) -> None:
@@ -147,6 +196,7 @@ def check_compatible(
                 f"resume={resume} was saved with {group}.{key}={value}, this config has "
                 f"{config[group].get(key)}: set {override}={value}"
             )
+    check_restored_settings(resume, saved, config)
     saved_classes = state.get("classes")
     if saved_classes is not None and len(saved_classes) != len(classes):
         data = saved["data"]

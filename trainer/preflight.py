@@ -21,7 +21,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from trainer.checkpoint import resolve_checkpoint
+from trainer.checkpoint import RESTORED_SETTINGS, dotted, resolve_checkpoint, shown
 from trainer.config import ConfigError, DataSource, TrainConfig
 
 CIFAR10_FOLDER = "cifar-10-batches-py"
@@ -29,7 +29,8 @@ CIFAR10_FILES = ("batches.meta", "test_batch", *(f"data_batch_{i}" for i in rang
 CIFAR10_HOST = "www.cs.toronto.edu"  # where torchvision downloads CIFAR-10 from
 PROBE_S = 1.5  # for the name lookup and again for the connection
 # Settings a resumed run must share with the run it continues: the schedule's length in steps
-# (with the data, checked once loaded) and the shape of what the checkpoint holds.
+# (with the data, checked once loaded), the shape of what the checkpoint holds, and what the
+# checkpoint's state decides (checkpoint.RESTORED_SETTINGS).
 RESUMED_AS_SAVED = (
     "epochs",
     "max_steps",
@@ -39,6 +40,7 @@ RESUMED_AS_SAVED = (
     "optim.name",
     "optim.schedule",
     "ema.enabled",
+    *RESTORED_SETTINGS,
 )
 
 
@@ -138,13 +140,13 @@ def check_resumed_settings(cfg: TrainConfig) -> None:
     if not saved_file.is_file():
         return
     try:
-        saved = OmegaConf.to_container(OmegaConf.load(saved_file))
+        saved = OmegaConf.to_container(OmegaConf.load(saved_file), resolve=True)
     except Exception:  # unreadable: the checkpoint's own copy is checked once loaded
         return
     here = OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
     differing = []
     for key in RESUMED_AS_SAVED:
-        saved_value, value = lookup(saved, key), lookup(here, key)
+        saved_value, value = dotted(saved, key, MISSING), dotted(here, key)
         if saved_value is not MISSING and saved_value != value:
             differing.append(f"{key}={shown(saved_value)}")
     if differing:
@@ -154,16 +156,4 @@ def check_resumed_settings(cfg: TrainConfig) -> None:
         )
 
 
-MISSING = object()
-
-
-def lookup(config: dict, dotted: str):
-    for part in dotted.split("."):
-        if not isinstance(config, dict) or part not in config:
-            return MISSING
-        config = config[part]
-    return config
-
-
-def shown(value) -> str:
-    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+MISSING = object()  # a key an older run's config lacks: nothing to compare
