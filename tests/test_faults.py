@@ -163,7 +163,10 @@ def live_folder(tmp_path_factory) -> dict[str, Outcome]:
         return Outcome(folder, result.returncode, result.stdout, result.stderr)
 
     with ThreadPoolExecutor(max_workers=2) as pool:  # as `for s in 1 2 3; do ... & done` starts them
-        second, resume = pool.map(lambda args: refused(*args), [("seed=2",), (LONG, f"resume={folder}")])
+        # the resume as the live run was started (seed=1): only the lock stands in its way
+        second, resume = pool.map(
+            lambda args: refused(*args), [("seed=2",), (LONG, "seed=1", f"resume={folder}")]
+        )
     try:
         Trainer(compose_config("seed=3"), folder).fit()
         from_python = Outcome(folder)
@@ -201,6 +204,32 @@ def one_line_about_the_console(outcome: Outcome) -> None:
     assert len(lines(outcome.stderr)) == 1, outcome.stderr  # no `--- Logging error ---` blocks
     log = (outcome.run_dir / "__main__.log").read_text()
     assert "epoch 2/2 | step 16" in log  # the log file kept every line
+
+
+@pytest.fixture(scope="module")
+def final_record_on_a_nearly_full_disk(tmp_path_factory) -> Outcome:
+    """R6: when the second epoch's metrics.json is written, room is left for 700 bytes a file:
+    less than the whole record with its history, more than its status and error."""
+    run_dir = tmp_path_factory.mktemp("nearly-full-metrics") / "run"
+    write_metrics, writes = RunLog.metrics, []
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+
+    def second_write_finds_little_room(self, data):
+        writes.append(1)
+        if len(writes) == 2:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (700, limits[1]))
+        write_metrics(self, data)
+
+    error = ""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(RunLog, "metrics", second_write_finds_little_room)
+        try:
+            Trainer(compose_config("epochs=3", "data.train_size=64"), run_dir).fit()
+        except TrainerError as raised:
+            error = str(raised)
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+    return Outcome(run_dir, stderr=error)
 
 
 @pytest.fixture(scope="module")
@@ -351,6 +380,12 @@ ROWS = {
             "earlier metrics.json there is kept",
         ),
         check=previous_file_intact(METRICS),
+    ),
+    "R6-final-status-on-a-nearly-full-disk": Row(
+        "final_record_on_a_nearly_full_disk",
+        None,
+        ("could not write the run record {run}/metrics.json (File too large)",),
+        metrics={"status": "failed", "epochs": 2},  # the second epoch, saved before its record failed
     ),
     "R6-evaluation-json-full-disk": Row(
         "evaluation_on_a_full_disk",

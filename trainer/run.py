@@ -342,5 +342,26 @@ class Run:
         summary["error"] = str(error).splitlines()[0] if str(error) else type(error).__name__
         if isinstance(error, distributed.WorkerFailed):
             summary["failed_rank"] = error.rank
-        with contextlib.suppress(NotWritten):  # a full disk: the last record stays, the error is raised
-            write_json_atomic(self.run_dir / METRICS, summary)
+        self.write_final_record(summary)
+
+    def write_final_record(self, summary: dict) -> None:
+        """metrics.json with the run's final status: the whole record, or where a full disk
+        refuses it the status and error alone (a few hundred bytes); where even that is refused,
+        one line says the record was lost and which one stands."""
+        path = self.run_dir / METRICS
+        try:
+            write_json_atomic(path, summary)
+            return
+        except NotWritten:
+            pass
+        essentials = ("status", "error", "failed_rank", "epochs", "steps", "overrides")
+        try:
+            write_json_atomic(path, {key: summary[key] for key in essentials if key in summary})
+        except NotWritten as error:
+            standing = read_metrics(self.run_dir).get("status")
+            log.error(
+                "the final record (status %s) could not be written: %s; %s",
+                summary["status"],
+                str(error).split(": ", 1)[-1],
+                f"{path} still says {standing}" if standing else f"no {METRICS} was written",
+            )
