@@ -206,37 +206,9 @@ def one_line_about_the_console(outcome: Outcome) -> None:
     assert "epoch 2/2 | step 16" in log  # the log file kept every line
 
 
-@pytest.fixture(scope="module")
-def final_record_on_a_nearly_full_disk(tmp_path_factory) -> Outcome:
-    """R6: when the second epoch's metrics.json is written, room is left for 700 bytes a file:
-    less than the whole record with its history, more than its status and error."""
-    run_dir = tmp_path_factory.mktemp("nearly-full-metrics") / "run"
-    write_metrics, writes = RunLog.metrics, []
-    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
-
-    def second_write_finds_little_room(self, data):
-        writes.append(1)
-        if len(writes) == 2:
-            resource.setrlimit(resource.RLIMIT_FSIZE, (700, limits[1]))
-        write_metrics(self, data)
-
-    error = ""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(RunLog, "metrics", second_write_finds_little_room)
-        try:
-            Trainer(compose_config("epochs=3", "data.train_size=64"), run_dir).fit()
-        except TrainerError as raised:
-            error = str(raised)
-        finally:
-            resource.setrlimit(resource.RLIMIT_FSIZE, limits)
-    return Outcome(run_dir, stderr=error)
-
-
-@pytest.fixture(scope="module")
-def metrics_on_a_full_disk(tmp_path_factory) -> Outcome:
-    """R6: the disk is full (a 64-byte file-size limit) when the second epoch's metrics.json
-    is written; the limit stays for the rest of the run, its failure record included."""
-    run_dir = tmp_path_factory.mktemp("full-metrics") / "run"
+def disk_fills_at_the_second_record(run_dir: Path, room: int) -> Outcome:
+    """A run of 3 epochs whose files may grow to `room` bytes from its second metrics.json
+    write on, the failure record included. facts["previous"]: metrics.json as that write found it."""
     write_metrics, found = RunLog.metrics, []  # metrics.json as each write finds it
     limits = resource.getrlimit(resource.RLIMIT_FSIZE)
 
@@ -244,7 +216,7 @@ def metrics_on_a_full_disk(tmp_path_factory) -> Outcome:
         path = self.run_dir / METRICS
         found.append(path.read_text() if path.exists() else None)
         if len(found) == 2:
-            resource.setrlimit(resource.RLIMIT_FSIZE, (64, limits[1]))
+            resource.setrlimit(resource.RLIMIT_FSIZE, (room, limits[1]))
         write_metrics(self, data)
 
     error = ""
@@ -257,6 +229,20 @@ def metrics_on_a_full_disk(tmp_path_factory) -> Outcome:
         finally:
             resource.setrlimit(resource.RLIMIT_FSIZE, limits)
     return Outcome(run_dir, stderr=error, facts={"previous": found[1]})
+
+
+@pytest.fixture(scope="module")
+def final_record_on_a_nearly_full_disk(tmp_path_factory) -> Outcome:
+    """R6: room for 700 bytes a file: less than the whole failure record with its history, more
+    than its status and error."""
+    return disk_fills_at_the_second_record(tmp_path_factory.mktemp("nearly-full-metrics") / "run", 700)
+
+
+@pytest.fixture(scope="module")
+def metrics_on_a_full_disk(tmp_path_factory) -> Outcome:
+    """R6: the disk is full (a 64-byte file-size limit) when the second epoch's metrics.json
+    is written; the limit stays for the rest of the run, its failure record included."""
+    return disk_fills_at_the_second_record(tmp_path_factory.mktemp("full-metrics") / "run", 64)
 
 
 @pytest.fixture(scope="module")
