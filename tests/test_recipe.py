@@ -412,7 +412,7 @@ def test_eval_from_epoch_leaves_the_earlier_epochs_unevaluated(tmp_path):
 
 
 def test_the_epoch_line_shows_the_tta_accuracy_beside_the_single_view():
-    from trainer.run import accuracy_cell
+    from trainer.epoch_report import accuracy_cell
 
     assert accuracy_cell({"test_acc": 0.9, "test_acc_tta": 0.93}) == "0.9000 (tta 0.9300)"
     assert accuracy_cell({"test_acc": 0.9}) == "0.9000" and accuracy_cell({}) == "-"

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from trainer import checkpoint, distributed, mfu, perf, tags, timing
+from trainer import checkpoint, distributed, epoch_report, mfu, perf, timing
 from trainer.assembly import Parts
 from trainer.atomic import NotWritten
 from trainer.config import ExportFormat, TrainConfig
@@ -42,9 +42,7 @@ from trainer.logging import (
     RunLog,
     SilentRunLog,
     console_unless_configured,
-    decimal,
     path_in,
-    percent,
     read_metrics,
     shell_override,
     shown_hparams,
@@ -53,13 +51,6 @@ from trainer.logging import (
 from trainer.progress import Progress
 
 log = logging.getLogger(__name__)
-
-# A run of this many epochs and optimizer steps or more whose last test accuracy is at most
-# this many times chance (1 / classes) did not learn (the cnn at lr 0.1 on 2,000 synthetic
-# images, 150 steps: 9.0%). Shorter runs, smoke tests among them, are not judged.
-CHANCE_EPOCHS = 3
-CHANCE_STEPS = 100
-CHANCE_MARGIN = 1.5
 
 
 def default_run_dir() -> Path:
@@ -73,16 +64,6 @@ def record_rejected_config(run_dir: Path, error: Exception, overrides: list[str]
         write_json_atomic(
             run_dir / METRICS, {"status": "failed", "error": str(error), "overrides": overrides}
         )
-
-
-def accuracy_cell(record: dict) -> str:
-    """The epoch line's test accuracy: the single view, and the TTA one beside it when on."""
-    plain = decimal(record.get("test_acc"))
-    tta = record.get("test_acc_tta")
-    cell = plain if tta is None else f"{plain} (tta {decimal(tta)})"
-    if "test_acc_trained" in record:  # ema: the cell above is the average's
-        cell = f"{cell} (trained weights {decimal(record['test_acc_trained'])})"
-    return cell
 
 
 class Run:
@@ -174,7 +155,7 @@ class Run:
     # ------------------------------------------------------------------ each epoch, the end
 
     def epoch_done(self, record: dict) -> None:
-        self.report_epoch(record)
+        epoch_report.report_epoch(self.log, self.progress, self.parts, record)
         self.save_checkpoint()
         self.log.metrics(self.summary(self.parts.ranks))
 
@@ -193,7 +174,10 @@ class Run:
             )
             return
         self.status = "completed"
-        self.check_learned()
+        verdict = epoch_report.did_not_learn(self.progress, self.parts)
+        if verdict is not None:
+            self.status, self.error = "diverged", verdict
+            log.error("%s", verdict)
         if epochs_run == 0:  # resumed from a finished run: this run's folder still gets its checkpoint
             log.info("resume=%s had already finished: nothing left to train", self.cfg.resume)
             self.save_checkpoint()
@@ -207,49 +191,6 @@ class Run:
         self.log.hparams(shown_hparams(self.config, self.overrides))
         self.log.close()
         return summary
-
-    def report_epoch(self, record: dict) -> None:
-        """TensorBoard scalars, one log line, and the input-pipeline hint when data is slow."""
-        so_far = self.progress.summary()
-        self.log.scalars(
-            self.progress.step,
-            {
-                tags.TEST_ACC: record.get("test_acc"),
-                tags.TEST_ACC_TTA: record.get("test_acc_tta"),
-                tags.TRAIN_ACC: record["train_acc"],
-                tags.TRAINED_TEST_ACC: record.get("test_acc_trained"),
-                tags.TRAINED_TEST_ACC_TTA: record.get("test_acc_tta_trained"),
-                tags.TEST_LOSS: record.get("test_loss"),
-                tags.IMG_PER_S: so_far["img_per_s"],
-                tags.MFU: so_far["mfu"],
-                tags.DATA_WAIT_FRAC: so_far["data_wait_frac"],
-                tags.IMG_PER_S_EPOCH: record["img_per_s"],
-                tags.PEAK_MEM_MB: record["peak_mem_mb"],
-                tags.BEST_TEST_ACC: self.progress.best_test_acc,
-                tags.TIME_TO_TARGET_S: self.progress.time_to_target_s,
-                tags.EPOCH_S: record["epoch_s"],
-                tags.TRAIN_TIME_S: self.progress.train_time_s,
-            },
-        )
-        log.info(
-            "epoch %d/%d | step %d | loss %.4f | train acc %.4f | test acc %s | %.0f img/s | mfu %s"
-            " | data wait %s",
-            self.progress.epoch,
-            self.parts.epochs,
-            self.progress.step,
-            record["train_loss"],
-            record["train_acc"],
-            accuracy_cell(record),
-            record["img_per_s"],
-            percent(record["mfu"]),
-            decimal(record["data_wait_frac"]),
-        )
-        if (record["data_wait_frac"] or 0.0) > 0.2:
-            log.warning(
-                "%.0f%% of the epoch waited for data: try more num_workers, pin_memory=true"
-                " or data.loader=gpu",
-                100 * record["data_wait_frac"],
-            )
 
     # ------------------------------------------------------------------ checkpoint
 
@@ -287,26 +228,6 @@ class Run:
         checkpoint.restore(self.cfg.resume, state, self.stateful())
         self.resumed_from = path_in(self.run_dir, path)
         log.info("resumed from %s at epoch %d, step %d", path, self.progress.epoch, self.progress.step)
-
-    def check_learned(self) -> None:
-        """A run that trained CHANCE_EPOCHS epochs and CHANCE_STEPS steps or more and tests at
-        chance did not learn: it is marked `diverged`, with one line saying so and what to lower."""
-        tested = [record["test_acc"] for record in self.progress.history if "test_acc" in record]
-        chance = 1 / len(self.parts.classes)
-        judged = self.progress.epoch >= CHANCE_EPOCHS and self.progress.step >= CHANCE_STEPS
-        if not judged or not tested or tested[-1] > CHANCE_MARGIN * chance:
-            return
-        self.status = "diverged"
-        advice = (
-            "optim.lr is 0: set e.g. optim.lr=0.05"
-            if self.parts.lr_peak == 0
-            else self.parts.non_finite_advice
-        )
-        self.error = (
-            f"test accuracy {tested[-1]:.1%} after {self.progress.epoch} epochs is chance for "
-            f"{len(self.parts.classes)} classes: the run did not learn; {advice}"
-        )
-        log.error("%s", self.error)
 
     # ------------------------------------------------------------------ results
 
