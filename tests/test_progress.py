@@ -8,7 +8,7 @@ import logging
 from conftest import compose_config
 
 from trainer import Trainer
-from trainer.logging import console_unless_configured
+from trainer.console import console_unless_configured
 from trainer.progress_bar import StepProgress
 
 

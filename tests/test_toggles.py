@@ -262,7 +262,7 @@ def test_compile_really_compiles_and_says_what_the_warm_up_does(tmp_path, caplog
 def test_a_long_block_says_it_still_runs(caplog):
     import time
 
-    from trainer.logging import still_running
+    from trainer.console import still_running
 
     caplog.set_level(logging.INFO)
     with still_running("warm-up", every_s=0.05):

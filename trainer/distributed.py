@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.config import ConfigError, DdpBackend, TrainConfig, TrainerError
-from trainer.logging import elastic_logs_to
+from trainer.console import elastic_logs_to
 from trainer.torchrun_env import started_by_torchrun  # noqa: F401 - part of this module's interface
 
 log = logging.getLogger(__name__)

@@ -29,8 +29,9 @@ import torch
 
 from trainer import distributed, evaluation, tags
 from trainer.assembly import Parts
+from trainer.console import still_running
 from trainer.errors import Diverged
-from trainer.logging import percent, still_running
+from trainer.logging import percent
 from trainer.progress import Progress
 
 if TYPE_CHECKING:

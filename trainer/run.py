@@ -33,6 +33,7 @@ from trainer import checkpoint, distributed, epoch_report, mfu, perf, timing
 from trainer.assembly import Parts
 from trainer.atomic import NotWritten
 from trainer.config import ExportFormat, TrainConfig
+from trainer.console import console_unless_configured
 from trainer.distributed import Ranks
 from trainer.ema import WeightAverage
 from trainer.errors import Diverged
@@ -41,7 +42,6 @@ from trainer.logging import (
     METRICS,
     RunLog,
     SilentRunLog,
-    console_unless_configured,
     path_in,
     read_metrics,
     shell_override,
