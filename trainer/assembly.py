@@ -119,9 +119,7 @@ def resolve_device(spec: str, ranks: Ranks, ddp: bool) -> torch.device:
 def assemble(cfg: TrainConfig, ranks: Ranks, device: torch.device) -> Parts:
     """Seeds, backend flags, then data, model and step, in that order (the model's initial
     weights are drawn after the seeds, as every run of this config draws them)."""
-    random.seed(cfg.seed)
-    np.random.seed(cfg.seed)
-    torch.manual_seed(cfg.seed)
+    seed_everything(cfg.seed)
     perf.apply_backend_flags(cfg, device)
     splits, train_loader, train_batches, test_batches = build_data(cfg, ranks, device)
     raw_model, model, ddp_model, step_graph, meter = build_network(cfg, ranks, device, splits)
@@ -134,10 +132,6 @@ def assemble(cfg: TrainConfig, ranks: Ranks, device: torch.device) -> Parts:
     warm_up_steps = perf.warm_up_steps(cfg, device, captured=step_graph is not None)
     scheduler = build_scheduler(cfg.optim, optimizer, total_steps)
     autocast = perf.autocast_context(cfg, device)  # says once where amp cannot act as asked
-    non_finite_advice = (
-        f"lower optim.lr (now {cfg.optim.lr}, a peak of {lr_peak:.4g} at this batch)"
-        f"{perf.non_finite_remedy(cfg, device)}"
-    )
     return Parts(
         device=device,
         ranks=ranks,
@@ -175,13 +169,32 @@ def assemble(cfg: TrainConfig, ranks: Ranks, device: torch.device) -> Parts:
         mfu=meter,
         timer=data_wait_timer(cfg.measure_data_wait, device.type),
         synchronize=torch.cuda.synchronize if device.type == "cuda" else (lambda: None),
-        non_finite_advice=non_finite_advice,
+        non_finite_advice=divergence_advice(cfg, device, lr_peak),
         profile=cfg.profile and ranks.is_main,
         tb_x_per_step=global_batch if cfg.tb_step is TbStep.images else 1,
-        description=(
-            f"device: {device} x{ranks.world_size} | model: {cfg.model.target or cfg.model.name.value} | "
-            f"data: {cfg.data.source.value} ({len(splits.train)} train, {len(splits.test)} test)"
-        ),
+        description=describe(cfg, device, ranks, splits),
+    )
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def divergence_advice(cfg: TrainConfig, device: torch.device, lr_peak: float) -> str:
+    """What to change when the loss runs away or the run does not learn."""
+    return (
+        f"lower optim.lr (now {cfg.optim.lr}, a peak of {lr_peak:.4g} at this batch)"
+        f"{perf.non_finite_remedy(cfg, device)}"
+    )
+
+
+def describe(cfg: TrainConfig, device: torch.device, ranks: Ranks, splits: Splits) -> str:
+    """Device, model and data in one line, for the run's log."""
+    return (
+        f"device: {device} x{ranks.world_size} | model: {cfg.model.target or cfg.model.name.value} | "
+        f"data: {cfg.data.source.value} ({len(splits.train)} train, {len(splits.test)} test)"
     )
 
 

@@ -97,6 +97,12 @@ def check_ema(cfg: EmaConfig) -> None:
 
 
 def check_train(cfg: TrainConfig) -> None:
+    check_ranges(cfg)
+    check_combinations(cfg)
+
+
+def check_ranges(cfg: TrainConfig) -> None:
+    """Each top-level number and name within what it may be."""
     positive = ("epochs", "batch_size", "eval_every", "grad_accum_steps", "log_every")
     for name in positive:
         if getattr(cfg, name) < 1:
@@ -129,6 +135,19 @@ def check_train(cfg: TrainConfig) -> None:
             f"ddp_bucket_cap_mb must be auto or a size in MB above 0, got {bucket!r}: "
             "set ddp_bucket_cap_mb=auto or ddp_bucket_cap_mb=25"
         )
+    if cfg.target_acc is not None and not 0.0 < cfg.target_acc <= 1.0:
+        raise ConfigError(
+            f"target_acc is a fraction in (0, 1], got {cfg.target_acc}: set e.g. target_acc=0.94"
+        )
+    if not 0 <= cfg.seed <= MAX_SEED:
+        raise ConfigError(
+            f"seed must be in [0, {MAX_SEED}] (numpy's range), got {cfg.seed}: set seed=0 or another "
+            "whole number in that range"
+        )
+
+
+def check_combinations(cfg: TrainConfig) -> None:
+    """Settings that each may hold but not together."""
     if cfg.ddp and cfg.data_parallel:
         raise ConfigError(
             "ddp=true and data_parallel=true both spread the batch over the devices: "
@@ -153,12 +172,3 @@ def check_train(cfg: TrainConfig) -> None:
         )
     if cfg.data.source is DataSource.synthetic and min(cfg.data.train_size, cfg.data.test_size) < 1:
         raise ConfigError("data.train_size and data.test_size must be at least 1")
-    if cfg.target_acc is not None and not 0.0 < cfg.target_acc <= 1.0:
-        raise ConfigError(
-            f"target_acc is a fraction in (0, 1], got {cfg.target_acc}: set e.g. target_acc=0.94"
-        )
-    if not 0 <= cfg.seed <= MAX_SEED:
-        raise ConfigError(
-            f"seed must be in [0, {MAX_SEED}] (numpy's range), got {cfg.seed}: set seed=0 or another "
-            "whole number in that range"
-        )

@@ -161,6 +161,25 @@ def stop_on_sigterm(_signal: int, _frame) -> None:
     raise Stopped
 
 
+def cuda_here() -> bool:
+    import torch  # only once the command line has passed its checks
+
+    return torch.cuda.is_available()
+
+
+def say_what_is_reused(bench: Bench, out: Path, resumed: bool) -> None:
+    """With --resume: how many earlier trials count, and how many do not, and why."""
+    if resumed:
+        print(f"tune: resuming: {len(bench.earlier)} earlier trial(s) in {out} are used first", flush=True)
+    if bench.elsewhere:
+        print(
+            f"tune: {bench.elsewhere} earlier trial(s) ran on another machine or with another --trial-start "
+            "(or do not say) and are not used: hosts of one GPU kind differ by up to 1.5x; their settings "
+            "run again here",
+            flush=True,
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     register_schema()
@@ -172,20 +191,16 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("--resume continues the tune in --out: give --out")
         default_out = Path("outputs") / "tune" / f"{datetime.now():%Y-%m-%d/%H-%M-%S}"
         out = prepare_out(args.out or default_out, args.resume)
+        base = [*args.overrides, f"epochs={args.epochs}", f"eval_every={args.epochs}", "eval.tta=none"]
+        earlier = earlier_trials(out, base) if args.resume else []
     except (ConfigError, ValueError) as error:
         print(f"tune: error: {error}", file=sys.stderr)
         return 2
-    import torch  # only once the command line has passed its checks
-
-    from trainer.trials import environment, machine
+    from trainer.trials import environment, machine  # torch, once the command line has passed
     from trainer.tune.output import spread_note, unfinished, write_all
     from trainer.tune.search import TuneError, search
 
-    device = (
-        "cuda"
-        if cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available())
-        else "cpu"
-    )
+    device = "cuda" if cfg.device.startswith("cuda") or (cfg.device == "auto" and cuda_here()) else "cpu"
     fixed_keys = {parse_override(override)[0] for override in args.overrides}
     split = split_for(candidates, device, cfg.model.target is not None, fixed_keys)
     header = [
@@ -194,25 +209,11 @@ def main(argv: list[str] | None = None) -> int:
         f"noise at least {100 * args.min_gain:.0f}%",
         f"run: {' '.join(args.overrides) or '(no overrides)'} on perf=default",
     ]
-    base = [*args.overrides, f"epochs={args.epochs}", f"eval_every={args.epochs}", "eval.tta=none"]
-    try:
-        earlier = earlier_trials(out, base) if args.resume else []
-    except ConfigError as error:
-        print(f"tune: error: {error}", file=sys.stderr)
-        return 2
     bench = Bench(
         base, out, args.repeats, 60 * args.budget_min, args.min_gain, earlier, machine(),
         trial_start=args.trial_start,
     )  # fmt: skip
-    if earlier:
-        print(f"tune: resuming: {len(bench.earlier)} earlier trial(s) in {out} are used first", flush=True)
-    if bench.elsewhere:
-        print(
-            f"tune: {bench.elsewhere} earlier trial(s) ran on another machine or with another --trial-start "
-            "(or do not say) and are not used: hosts of one GPU kind differ by up to 1.5x; their settings "
-            "run again here",
-            flush=True,
-        )
+    say_what_is_reused(bench, out, bool(earlier))
     print(f"tune: {len(split.tryable)} toggle(s) to try on {device}, writing to {out}", flush=True)
     signal.signal(signal.SIGTERM, stop_on_sigterm)
     try:
@@ -230,10 +231,12 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
     print(write_all(out, outcome, split.not_tried, header, args.overrides))
-    print(f"tune: wrote perf/tuned.yaml, tune.md, tune.csv, tune.png to {out}", file=sys.stderr)
-    for note in (unfinished(outcome), spread_note(outcome)):
-        if note:
-            print(f"tune: {note}", file=sys.stderr)
+    notes = [
+        f"wrote perf/tuned.yaml, tune.md, tune.csv, tune.png to {out}",
+        unfinished(outcome),
+        spread_note(outcome),
+    ]
+    print("\n".join(f"tune: {note}" for note in notes if note), file=sys.stderr)
     return 0
 
 
