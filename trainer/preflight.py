@@ -61,7 +61,8 @@ def check_device(spec: str) -> None:
     if not spec.startswith("cuda"):
         return
     hidden = os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1")
-    drivers = glob.glob("/dev/nvidia[0-9]*") or glob.glob("/dev/kfd")  # NVIDIA, or ROCm's torch.cuda
+    # NVIDIA's device files, ROCm's (torch.cuda on AMD) or WSL2's GPU paravirtualization
+    drivers = [path for pattern in ("/dev/nvidia[0-9]*", "/dev/kfd", "/dev/dxg") for path in glob.glob(pattern)]
     if hidden or not drivers:
         raise ConfigError(no_cuda_device(spec))
 
