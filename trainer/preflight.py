@@ -62,7 +62,9 @@ def check_device(spec: str) -> None:
         return
     hidden = os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1")
     # NVIDIA's device files, ROCm's (torch.cuda on AMD) or WSL2's GPU paravirtualization
-    drivers = [path for pattern in ("/dev/nvidia[0-9]*", "/dev/kfd", "/dev/dxg") for path in glob.glob(pattern)]
+    drivers = [
+        path for pattern in ("/dev/nvidia[0-9]*", "/dev/kfd", "/dev/dxg") for path in glob.glob(pattern)
+    ]
     if hidden or not drivers:
         raise ConfigError(no_cuda_device(spec))
 
