@@ -255,3 +255,23 @@ def test_a_sweep_is_checked_value_by_value_with_its_fixed_overrides(tmp_path):
 )
 def test_valid_command_lines_are_no_slips(args):
     assert override_slip(args) is None
+
+
+def test_the_machine_is_not_checked_for_jobs_a_cluster_runs():
+    """device=cuda on a login node without a GPU: the slurm jobs run on nodes that have one."""
+    from trainer.cli_checks import runs_here
+
+    assert runs_here(["device=cuda"], []) and runs_here(["-m", "seed=0,1"], ["hydra/launcher=parallel"])
+    assert not runs_here(["device=cuda", "hydra/launcher=slurm"], ["hydra/launcher=slurm"])
+    assert not runs_here(["--cfg", "job"], [])
+
+
+def test_a_downloaded_cifar_archive_needs_no_network(tmp_path, monkeypatch):
+    from trainer import preflight
+
+    monkeypatch.setattr(preflight, "reachable", lambda host: False)
+    cfg = to_train_config(compose_config("data=cifar10", f"data.root={tmp_path}"))
+    with pytest.raises(ConfigError, match="cannot be reached to download it"):
+        preflight.check_data(cfg)
+    (tmp_path / preflight.CIFAR10_ARCHIVE).write_bytes(b"")
+    preflight.check_data(cfg)  # torchvision extracts the archive without a download

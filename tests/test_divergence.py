@@ -88,3 +88,19 @@ def test_a_run_that_learns_is_completed(tmp_path):
     assert metrics["steps"] >= 100
     assert metrics["status"] == "completed" and "error" not in metrics
     assert metrics["test_acc"] > 0.5
+
+
+def test_a_two_class_run_that_learned_is_not_called_stuck():
+    from trainer.epoch_report import did_not_learn
+
+    def verdict(accuracy: float, classes: int) -> str | None:
+        progress = Progress(epoch=5, step=200, history=[{"test_acc": accuracy}])
+        parts = SimpleNamespace(classes=list(range(classes)), lr_peak=0.1, non_finite_advice="lower optim.lr")
+        return did_not_learn(progress, parts)
+
+    assert verdict(0.72, 2) is None and verdict(0.55, 2) is not None
+    assert verdict(0.16, 10) is None and verdict(0.12, 10) is not None
+
+
+def test_a_first_window_at_zero_loss_measures_no_growth():
+    windows(0.0, 5.0, 50.0)  # no ZeroDivisionError, no LossGrew against a zero

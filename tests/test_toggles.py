@@ -458,3 +458,17 @@ def test_data_wait_is_measured_and_a_slow_pipeline_gets_a_hint(tmp_path, caplog)
     assert "waited for data: try more num_workers" in caplog.text
     off = Trainer(compose_config("measure_data_wait=false", "max_steps=2"), tmp_path / "off").fit()
     assert off["data_wait_frac"] is None
+
+
+def test_the_console_goes_quiet_only_for_a_stream_that_cannot_be_written(capsys):
+    """A format error in a log call is logging's to report; the handler stays on."""
+    import io
+
+    from trainer.console import ConsoleHandler
+
+    stream = io.StringIO()
+    handler = ConsoleHandler(stream)
+    handler.handle(logging.LogRecord("x", logging.INFO, __file__, 1, "%d", ("not a number",), None))
+    assert not handler.silenced and "--- Logging error ---" in capsys.readouterr().err
+    handler.handle(logging.LogRecord("x", logging.INFO, __file__, 1, "fine", None, None))
+    assert stream.getvalue() == "fine\n"

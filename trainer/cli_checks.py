@@ -119,6 +119,7 @@ def override_slip(args: list[str]) -> str | None:
     return None
 
 
+LOCAL_LAUNCHERS = ("basic", "parallel")  # hydra/launcher choices that run the jobs on this machine
 # Flags after which Hydra prints and exits without running: the machine is not checked.
 PRINT_ONLY_FLAGS = {
     "--help",
@@ -134,12 +135,22 @@ PRINT_ONLY_FLAGS = {
 }
 
 
+def runs_here(args: list[str], hydra_overrides: list[str]) -> bool:
+    """Whether this command trains on this machine, so that what it needs of the machine is
+    checked here: not when Hydra only prints (--help, --cfg), nor for the jobs a cluster
+    launcher (slurm) runs on its nodes."""
+    launcher = next(
+        (arg.split("=", 1)[1] for arg in hydra_overrides if arg.startswith("hydra/launcher=")), "basic"
+    )
+    return launcher in LOCAL_LAUNCHERS and not any(arg.split("=")[0] in PRINT_ONLY_FLAGS for arg in args)
+
+
 def check_command_line(args: list[str]) -> None:
     slip = override_slip(args)
     if slip is not None:
         raise ConfigError(f"{slip} (overrides take no dashes and no spaces around '=')")
     overrides, hydra_overrides, multirun = split_command_line(args)
-    machine = not any(arg.split("=")[0] in PRINT_ONLY_FLAGS for arg in args)
+    machine = runs_here(args, hydra_overrides)
     if multirun and started_by_torchrun():
         raise ConfigError(
             "sweeps (-m) under torchrun are not supported: run the sweep without "

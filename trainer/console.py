@@ -70,7 +70,8 @@ class ConsoleHandler(logging.StreamHandler):
 
     def handleError(self, record: logging.LogRecord) -> None:
         error = sys.exc_info()[1]
-        if not isinstance(error, (OSError, ValueError)):  # ValueError: a closed file
+        closed = isinstance(error, ValueError) and getattr(self.stream, "closed", False)
+        if not (isinstance(error, OSError) or closed):  # a format error is logging's to report
             super().handleError(record)
             return
         self.silenced = True
@@ -79,6 +80,7 @@ class ConsoleHandler(logging.StreamHandler):
             # later writes (print, the interpreter's last flush) go nowhere instead of failing
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, self.stream.fileno())
+            os.close(devnull)
         if self.stream is not sys.stderr:
             with contextlib.suppress(OSError, ValueError):
                 sys.stderr.write(

@@ -186,8 +186,8 @@ def log_window(parts: Parts, progress: Progress, run: Run, window: list, bar, st
             f"{parts.non_finite_advice}"
         )
     mean = sum(losses) / len(losses)
-    if progress.first_loss is None:
-        progress.first_loss = mean
+    if not progress.first_loss:  # None, or a first window at 0: nothing to measure growth by
+        progress.first_loss = mean or None
     elif mean > LOSS_GROWTH_LIMIT * progress.first_loss:
         raise LossGrew(
             f"training loss grew from {progress.first_loss:.4g} to {mean:.4g} "

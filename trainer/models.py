@@ -148,7 +148,8 @@ def build_target(target: str, num_classes: int, builder: Callable | None = None)
             f"make {name}(num_classes) return one"
         )
     if torch.get_default_device().type != "meta":  # built for real: no tensor may be left on meta
-        on_meta = [key for key, tensor in model.state_dict().items() if tensor.is_meta]
+        state = model.state_dict().items()
+        on_meta = [key for key, tensor in state if isinstance(tensor, torch.Tensor) and tensor.is_meta]
         if on_meta:
             more = f" and {len(on_meta) - 1} more" if len(on_meta) > 1 else ""
             raise ConfigError(

@@ -26,8 +26,16 @@ from trainer.config import ConfigError, DataSource, TrainConfig
 
 CIFAR10_FOLDER = "cifar-10-batches-py"
 CIFAR10_FILES = ("batches.meta", "test_batch", *(f"data_batch_{i}" for i in range(1, 6)))
+CIFAR10_ARCHIVE = "cifar-10-python.tar.gz"
 CIFAR10_HOST = "www.cs.toronto.edu"  # where torchvision downloads CIFAR-10 from
-PROBE_S = 1.5  # for the name lookup and again for the connection
+PROBE_S = 1.5
+# A GPU driver's device files: NVIDIA's, Jetson's, ROCm's (torch.cuda on AMD), WSL2's
+DRIVER_FILES = (
+    "/dev/nvidia[0-9]*",
+    "/dev/nvhost-ctrl-gpu",
+    "/dev/kfd",
+    "/dev/dxg",
+)  # for the name lookup and again for the connection
 # Settings a resumed run must share with the run it continues: the schedule's length in steps
 # (with the data, checked once loaded), the shape of what the checkpoint holds, and what the
 # checkpoint's state decides (checkpoint.RESTORED_SETTINGS).
@@ -61,10 +69,7 @@ def check_device(spec: str) -> None:
     if not spec.startswith("cuda"):
         return
     hidden = os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1")
-    # NVIDIA's device files, ROCm's (torch.cuda on AMD) or WSL2's GPU paravirtualization
-    drivers = [
-        path for pattern in ("/dev/nvidia[0-9]*", "/dev/kfd", "/dev/dxg") for path in glob.glob(pattern)
-    ]
+    drivers = [path for pattern in DRIVER_FILES for path in glob.glob(pattern)]
     if hidden or not drivers:
         raise ConfigError(no_cuda_device(spec))
 
@@ -96,8 +101,8 @@ def check_data(cfg: TrainConfig) -> None:
                 raise ConfigError(imagefolder_missing(folder, "it holds no class folder"))
     if cfg.data.source is DataSource.cifar10 and root is not None:
         batches = root / CIFAR10_FOLDER
-        if all((batches / name).is_file() for name in CIFAR10_FILES):
-            return
+        if all((batches / name).is_file() for name in CIFAR10_FILES) or (root / CIFAR10_ARCHIVE).is_file():
+            return  # the archive alone is extracted without a download (its checksum checked then)
         if not cfg.data.download:
             raise ConfigError(cifar10_missing(root, f"no {CIFAR10_FOLDER} there and data.download=false"))
         if not reachable(CIFAR10_HOST):
@@ -116,23 +121,23 @@ def reachable(host: str, port: int = 443) -> bool:
     if any(os.environ.get(name) for name in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
         return True
     found: list = []
-    lookup = threading.Thread(target=lambda: found.append(lookup_address(host, port)), daemon=True)
+    lookup = threading.Thread(target=lambda: found.append(addresses(host, port)), daemon=True)
     lookup.start()
     lookup.join(PROBE_S)
-    if not found or found[0] is None:
-        return False
-    try:
-        socket.create_connection(found[0], timeout=PROBE_S).close()
-    except OSError:
-        return False
-    return True
+    for address in found[0] if found else []:  # each, as urllib falls back from IPv6 to IPv4
+        try:
+            socket.create_connection(address, timeout=PROBE_S).close()
+            return True
+        except OSError:
+            continue
+    return False
 
 
-def lookup_address(host: str, port: int) -> tuple | None:
+def addresses(host: str, port: int) -> list[tuple]:
     try:
-        return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][4][:2]
+        return [info[4][:2] for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)][:3]
     except OSError:
-        return None
+        return []
 
 
 def check_resumed_settings(cfg: TrainConfig) -> None:

@@ -256,6 +256,8 @@ class Run:
         if isinstance(error, Diverged):
             self.status = "diverged"
         # A launcher's own summary is empty: rank 0's record holds the run's progress.
+        if self.ranks_record.get("status") == "diverged":  # a rank's loss ran away: what rank 0 recorded
+            self.status = "diverged"
         summary = {**self.summary(ranks), **self.ranks_record, "status": self.status}
         if self.progress.history and not self.ranks_record:
             # steps as last.pt holds them (the last epoch's), not the steps of the epoch cut short

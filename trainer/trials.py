@@ -128,6 +128,8 @@ def trial_left(
 
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+# looked up here, not in a forked child before exec (preexec_fn), where loading it could deadlock
+PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
 
 
 def die_with_parent() -> None:
@@ -135,11 +137,10 @@ def die_with_parent() -> None:
     (kill -9 included, where no handler of the parent's can run); Linux only, nothing elsewhere.
     A trial outliving its tuner ran on for 70-78 s and wrote into the tune folder. If the
     parent is gone already (it died before this call), this process exits at once."""
-    if sys.platform != "linux":
+    if PRCTL is None:
         return
     parent = os.getppid()
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    PRCTL(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != parent:
         os._exit(1)
 
