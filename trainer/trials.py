@@ -133,10 +133,9 @@ PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else 
 
 
 def die_with_parent() -> None:
-    """SIGKILL to this process when the process that started it dies, whatever kills that one
-    (kill -9 included, where no handler of the parent's can run); Linux only, nothing elsewhere.
-    A trial outliving its tuner ran on for 70-78 s and wrote into the tune folder. If the
-    parent is gone already (it died before this call), this process exits at once."""
+    """SIGKILL to this process when its parent dies, however (kill -9 included); Linux only. A
+    trial outliving its tuner ran on for 70-78 s and wrote into the tune folder. A parent gone
+    already (before this call) ends this process at once."""
     if PRCTL is None:
         return
     parent = os.getppid()
