@@ -18,6 +18,7 @@ from PIL import Image
 from trainer import Trainer
 from trainer.config import ConfigError, ModelConfig, ModelName
 from trainer.models import build_model
+from trainer.perf import DDP_TOGGLES
 
 
 @pytest.fixture(scope="module")
@@ -233,13 +234,7 @@ APPLIED_SETTINGS = (  # read afresh by the resumed run: a change applies, and is
     "step_graph",
     "measure_data_wait",
     "profile",
-    "ddp_backend",
-    "ddp_max_restarts",
-    "ddp_sync",
-    "ddp_comm_hook",
-    "ddp_bucket_cap_mb",
-    "ddp_gradient_as_bucket_view",
-    "ddp_static_graph",
+    *DDP_TOGGLES,
     "data_parallel",
 )
 

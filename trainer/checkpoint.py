@@ -14,6 +14,7 @@ import io
 import logging
 import os
 import random
+from collections.abc import Iterable
 from pathlib import Path
 
 from trainer.atomic import NotWritten, remove_leftovers, write_atomic
@@ -163,16 +164,25 @@ def shown(value) -> str:
     return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
-def check_restored_settings(resume: str, saved: dict, config: dict) -> None:
-    missing = object()  # an older checkpoint without the key: nothing to compare
-    for key in RESTORED_SETTINGS:
+def changed_settings(saved: dict, config: dict, keys: Iterable[str]) -> list[tuple[str, object, object]]:
+    """(key, saved value, this config's) for each of `keys` whose value differs; a key the saved
+    config lacks (an older run's) is not compared."""
+    missing = object()
+    changed = []
+    for key in keys:
         saved_value, value = dotted(saved, key, missing), dotted(config, key)
         if saved_value is not missing and saved_value != value:
-            raise ConfigError(
-                f"resume={resume} was saved with {key}={shown(saved_value)}, this config has "
-                f"{shown(value)}: a resume trains with the checkpoint's {key}, so set "
-                f"{key}={shown(saved_value)}, or start a new run without resume"
-            )
+            changed.append((key, saved_value, value))
+    return changed
+
+
+def check_restored_settings(resume: str, saved: dict, config: dict) -> None:
+    for key, saved_value, value in changed_settings(saved, config, RESTORED_SETTINGS)[:1]:
+        raise ConfigError(
+            f"resume={resume} was saved with {key}={shown(saved_value)}, this config has "
+            f"{shown(value)}: a resume trains with the checkpoint's {key}, so set "
+            f"{key}={shown(saved_value)}, or start a new run without resume"
+        )
 
 
 def check_compatible(

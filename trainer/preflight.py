@@ -21,21 +21,16 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from trainer.checkpoint import RESTORED_SETTINGS, dotted, resolve_checkpoint, shown
+from trainer.checkpoint import RESTORED_SETTINGS, STATE_SHAPING, changed_settings, resolve_checkpoint, shown
 from trainer.config import ConfigError, DataSource, TrainConfig
 
 CIFAR10_FOLDER = "cifar-10-batches-py"
 CIFAR10_FILES = ("batches.meta", "test_batch", *(f"data_batch_{i}" for i in range(1, 6)))
 CIFAR10_ARCHIVE = "cifar-10-python.tar.gz"
 CIFAR10_HOST = "www.cs.toronto.edu"  # where torchvision downloads CIFAR-10 from
-PROBE_S = 1.5
+PROBE_S = 1.5  # for the name lookup and again for the connection
 # A GPU driver's device files: NVIDIA's, Jetson's, ROCm's (torch.cuda on AMD), WSL2's
-DRIVER_FILES = (
-    "/dev/nvidia[0-9]*",
-    "/dev/nvhost-ctrl-gpu",
-    "/dev/kfd",
-    "/dev/dxg",
-)  # for the name lookup and again for the connection
+DRIVER_FILES = ("/dev/nvidia[0-9]*", "/dev/nvhost-ctrl-gpu", "/dev/kfd", "/dev/dxg")
 # Settings a resumed run must share with the run it continues: the schedule's length in steps
 # (with the data, checked once loaded), the shape of what the checkpoint holds, and what the
 # checkpoint's state decides (checkpoint.RESTORED_SETTINGS).
@@ -44,10 +39,7 @@ RESUMED_AS_SAVED = (
     "max_steps",
     "batch_size",
     "grad_accum_steps",
-    "model.name",
-    "optim.name",
-    "optim.schedule",
-    "ema.enabled",
+    *(f"{group}.{key}" for group, key in STATE_SHAPING),
     *RESTORED_SETTINGS,
 )
 
@@ -152,16 +144,12 @@ def check_resumed_settings(cfg: TrainConfig) -> None:
     except Exception:  # unreadable: the checkpoint's own copy is checked once loaded
         return
     here = OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
-    differing = []
-    for key in RESUMED_AS_SAVED:
-        saved_value, value = dotted(saved, key, MISSING), dotted(here, key)
-        if saved_value is not MISSING and saved_value != value:
-            differing.append(f"{key}={shown(saved_value)}")
+    differing = [
+        f"{key}={shown(saved_value)}"
+        for key, saved_value, _ in changed_settings(saved, here, RESUMED_AS_SAVED)
+    ]
     if differing:
         raise ConfigError(
             f"resume={cfg.resume} was saved with {' '.join(differing)}, which this config changes: "
             f"set {' '.join(differing)} as saved, or start a new run without resume"
         )
-
-
-MISSING = object()  # a key an older run's config lacks: nothing to compare
