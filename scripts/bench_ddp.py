@@ -381,6 +381,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--accuracy-root", type=Path, help="class-folder dataset for the accuracy check")
     parser.add_argument("--accuracy-epochs", type=int, default=15)
     parser.add_argument("--row-timeout", type=float, default=300)
+    parser.add_argument(
+        "--set", default="", help="overrides added to every row, space-separated (e.g. num_workers=7)"
+    )
     parser.add_argument("--out", type=Path, default=None, help="folder for runs, logs and bench_ddp.md")
     args = parser.parse_args(argv)
     groups = [group for group in args.groups.split(",") if group]
@@ -417,6 +420,12 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(text), flush=True)
     batches = [int(batch) for batch in args.per_gpu_batches.split(",") if batch]
     rows = selected_rows(groups, gpus, [part for part in (args.rows or "").split(",") if part], batches)
+    if args.set:
+        extra = args.set.split()
+        rows = [
+            (group, count, Row(f"{row.name} {args.set}", [*row.trainer, *extra]))
+            for group, count, row in rows
+        ]
     if rows:
         text += scaling(out, args, rows) + [""]
     if args.accuracy_root:

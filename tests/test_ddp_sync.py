@@ -61,6 +61,15 @@ def both_paths(tmp_path_factory) -> list[dict]:
     variants = {
         "after_backward": ["ddp_sync=after_backward", f"max_steps={STEPS}"],
         "wrapper": ["ddp_sync=wrapper", f"max_steps={STEPS}"],
+        # the averaged .grad are views of one buffer: in channels_last strides, and zeroed in
+        # place and accumulated into by the next step
+        "channels_last": [
+            "ddp_sync=after_backward",
+            "channels_last=true",
+            "set_to_none=false",
+            f"max_steps={STEPS}",
+        ],
+        "wrapper_channels_last": ["ddp_sync=wrapper", "channels_last=true", f"max_steps={STEPS}"],
         "accumulated": [
             "ddp_sync=after_backward",
             "grad_accum_steps=4",
@@ -78,15 +87,19 @@ def both_paths(tmp_path_factory) -> list[dict]:
 
 def test_after_backward_gives_the_weights_distributed_data_parallel_gives(both_paths):
     """Six SGD steps of fastcnn on two ranks: the same parameters to float tolerance (the
-    all-reduce sums in another order), and only the wrapper path built a wrapper."""
+    all-reduce sums in another order), also in channels_last and with gradients zeroed in
+    place, and only the wrapper path built a wrapper."""
     rank0 = both_paths[0]
-    by_hand, wrapped = rank0["after_backward"], rank0["wrapper"]
-    assert (by_hand["steps"], wrapped["steps"]) == (STEPS, STEPS)
-    assert (by_hand["wrapped"], wrapped["wrapped"]) == (False, True)
-    assert by_hand["averages"] == STEPS and wrapped["averages"] == 0
-    for name, tensor in wrapped["parameters"].items():
-        torch.testing.assert_close(by_hand["parameters"][name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+    for variant, reference in (("after_backward", "wrapper"), ("channels_last", "wrapper_channels_last")):
+        by_hand, wrapped = rank0[variant], rank0[reference]
+        assert wrapped["steps"] == STEPS and wrapped["wrapped"] and wrapped["averages"] == 0
+        assert by_hand["steps"] == STEPS and not by_hand["wrapped"] and by_hand["averages"] == STEPS
+        for name, tensor in wrapped["parameters"].items():
+            torch.testing.assert_close(
+                by_hand["parameters"][name], tensor, rtol=1e-5, atol=1e-6, msg=f"{variant}: {name}"
+            )
     initial = build_model(to_train_config(compose_config("model=fastcnn")).model, num_classes=10)
+    wrapped = rank0["wrapper"]
     moved = [n for n, p in initial.named_parameters() if not torch.equal(p, wrapped["parameters"][n])]
     assert moved, "the weights never changed: the comparison would prove nothing"
 
