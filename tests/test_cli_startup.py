@@ -14,8 +14,11 @@ from conftest import HANG_GUARD_S, SMALL, cli_environment
 # `python -m MODULE ARGS`, then report the exit code, what was printed and which heavy
 # modules had been imported by then.
 RUN_AND_REPORT = """
-import contextlib, io, json, runpy, sys
+import contextlib, io, json, os, runpy, sys
 module, sys.argv = sys.argv[1], [sys.argv[1], *sys.argv[2:]]
+def leave(code):  # a command ends with os._exit (trainer/process_exit.py): report first
+    raise SystemExit(code)
+os._exit = leave
 out, err, code = io.StringIO(), io.StringIO(), 0
 with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
     try:

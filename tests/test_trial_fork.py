@@ -99,22 +99,6 @@ def test_inside_a_forked_trial_a_library_finds_what_a_fresh_process_has(tmp_path
     assert seen == (tmp_path / "fresh.txt").read_text().splitlines() and seen[0] == "fork False"
 
 
-def test_a_trials_exit_code_is_the_one_the_interpreter_would_give(capsys):
-    def stops(code):
-        def main():
-            raise SystemExit(code)
-
-        return main
-
-    def crashes():
-        raise ValueError("broken")
-
-    assert [trial_fork.exit_code_of(main) for main in (lambda: None, stops(None), stops(2))] == [0, 0, 2]
-    assert trial_fork.exit_code_of(stops("a message")) == 1 and trial_fork.exit_code_of(crashes) == 1
-    stderr = capsys.readouterr().err
-    assert stderr.startswith("a message\nTraceback") and stderr.endswith("ValueError: broken\n")
-
-
 def test_the_cuda_check_is_torchs_own_mark_of_a_child_forked_after_cuda_started(monkeypatch):
     import torch
 

@@ -18,7 +18,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from trainer import parallel_jobs, run_lock, sweep_summary
+from trainer import parallel_jobs, process_exit, run_lock, sweep_summary
 from trainer.cli_checks import CONF_DIR, check_command_line, split_command_line
 from trainer.cli_help import register_help
 from trainer.config import TrainerError, register_schema
@@ -133,5 +133,11 @@ def end_of_sweep(code: int | str | None) -> None:
         sys.exit(sweep_code)
 
 
+def cli() -> None:
+    """`python -m trainer` and the `trainer` command: main, then the process ends as soon as
+    everything is written (trainer/process_exit.py)."""
+    process_exit.run(main)
+
+
 if __name__ == "__main__":
-    main()
+    cli()

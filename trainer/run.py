@@ -82,6 +82,7 @@ class Run:
         self.parts: Parts | None = None  # once assembled
         self.resumed_from: str | None = None
         self.exported: str | None = None  # the inference model's file, once written
+        self.startup_s: float | None = None  # the process (or sweep job) before this run's set-up
         self.ranks_record: dict = {}  # a launcher's: rank 0's metrics.json when the ranks failed
         self.stop_signal: str | None = None  # a stop every rank agreed on
         self.stop_requested: str | None = None  # the signal this process got
@@ -247,6 +248,7 @@ class Run:
             "lr_peak": self.parts.lr_peak if self.parts else None,
             "target_acc": self.cfg.target_acc,
             "export": self.exported,
+            "startup_s": self.startup_s,
             "wall_s": timing.wall_s(),
         }
 

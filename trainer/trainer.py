@@ -51,6 +51,7 @@ class Trainer:
         self.progress = Progress()  # the loop advances it; the run saves and reports it
         self.parts: Parts | None = None  # build's
         self.run = Run(self.cfg, run_dir, overrides, self.progress)
+        self.run.startup_s = timing.wall_s()  # the interpreter, imports, Hydra, the checks
         self.config = self.run.config  # the resolved config, as checkpoints save it
 
     @classmethod

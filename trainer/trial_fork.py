@@ -31,10 +31,9 @@ import os
 import sys
 import tempfile
 import time
-import traceback
-from collections.abc import Callable
 from pathlib import Path
 
+from trainer.process_exit import exit_code_of
 from trainer.trials import Trial, die_with_parent, kill_tree, trial_left
 
 PRELOAD = ("trainer.__main__", "trainer.trainer", "torch._dynamo", "torch.utils.tensorboard")
@@ -103,22 +102,6 @@ def trial_process(overrides: list[str], output_dir: str, environment: dict[str, 
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-
-
-def exit_code_of(main: Callable[[], object]) -> int:
-    """main()'s exit code as the interpreter makes it: SystemExit's code (a message goes to
-    stderr, and gives 1), or 1 after an uncaught exception, whose traceback goes to stderr."""
-    try:
-        main()
-    except SystemExit as stop:
-        if stop.code is None or isinstance(stop.code, int):
-            return stop.code or 0
-        print(stop.code, file=sys.stderr)
-        return 1
-    except BaseException:
-        traceback.print_exc()
-        return 1
-    return 0
 
 
 def stop_group(process: multiprocessing.process.BaseProcess) -> None:

@@ -31,6 +31,7 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
+from trainer import process_exit
 from trainer.cli_checks import check_composition
 from trainer.config import ConfigError, register_schema
 from trainer.report.jobs import parse_override
@@ -240,5 +241,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def cli() -> None:
+    """`python -m trainer.tune` and `trainer-tune`: main, then the process ends as soon as
+    tuned.yaml and its notes are written (trainer/process_exit.py)."""
+    process_exit.run(main)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    cli()

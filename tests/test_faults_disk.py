@@ -1,0 +1,78 @@
+"""R6 at every write: a disk that fills at the k-th file a run writes (metrics.json records and
+checkpoints, all through trainer.atomic.write_atomic) and stays full. For each k the run ends
+with one error naming the file it could not write; no file is half-written or left as a
+temporary; metrics.json ends in a final status, or, where even that cannot be written, the
+error log says so and which record stands; a checkpoint that exists loads."""
+
+from __future__ import annotations
+
+import json
+import logging
+import resource
+from pathlib import Path
+
+import pytest
+from conftest import compose_config
+
+from trainer import Trainer, checkpoint
+from trainer import logging as run_logging
+from trainer.atomic import write_atomic
+from trainer.checkpoint import CHECKPOINT, load_checkpoint
+from trainer.config import TrainerError
+from trainer.logging import METRICS
+
+RUN = ("epochs=2", "data.train_size=64")
+# A 2-epoch run's writes: each epoch's checkpoint and record, then the final record
+# (test_the_run_writes_this_many_files keeps the count honest).
+WRITES = 5
+ROOMS = {"full": 64, "nearly full": 700}  # bytes a file may grow to: nothing / a short record
+
+
+def run_with_disk_full_from(write: int | None, room: int, run_dir: Path) -> tuple[str, list[Path]]:
+    """(the error the run raised, what it wrote in order); the disk is full from write `write` on."""
+    written: list[Path] = []
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+
+    def counted(path: Path, *args, **kwargs) -> None:
+        written.append(path)
+        if len(written) == write:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (room, limits[1]))
+        write_atomic(path, *args, **kwargs)
+
+    error = ""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(checkpoint, "write_atomic", counted)
+        patch.setattr(run_logging, "write_atomic", counted)
+        try:
+            Trainer(compose_config(*RUN), run_dir).fit()
+        except TrainerError as raised:
+            error = str(raised)
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+    return error, written
+
+
+def test_the_run_writes_this_many_files(tmp_path):
+    error, written = run_with_disk_full_from(None, 0, tmp_path / "run")
+    assert not error and len(written) == WRITES, [path.name for path in written]
+
+
+@pytest.mark.parametrize("room", ROOMS.values(), ids=ROOMS.keys())
+@pytest.mark.parametrize("write", range(1, WRITES + 1))
+def test_a_disk_that_fills_at_any_write_loses_nothing_written(tmp_path, caplog, write, room):
+    run_dir = tmp_path / "run"
+    with caplog.at_level(logging.ERROR):
+        error, written = run_with_disk_full_from(write, room, run_dir)
+    refused = written[write - 1]
+    assert error.startswith("could not write") and f"{refused}" in error, error
+    assert "Traceback" not in caplog.text
+    assert list(run_dir.rglob("*.tmp")) == []
+    if (run_dir / CHECKPOINT).exists():
+        load_checkpoint(run_dir / CHECKPOINT)  # complete: the last one written whole
+    if not (run_dir / METRICS).exists():
+        assert f"no {METRICS} was written" in caplog.text
+        return
+    record = json.loads((run_dir / METRICS).read_text())  # never half-written
+    if record["status"] != "failed":  # even the status could not be written: the log says so
+        assert "the final record (status failed) could not be written" in caplog.text
+        assert f"still says {record['status']}" in caplog.text
