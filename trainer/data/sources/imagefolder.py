@@ -89,9 +89,10 @@ def available_memory_bytes() -> int:
 def fingerprint(folder: Path, samples: list[tuple[str, int]]) -> str:
     """Changes when any file is added, removed, renamed, relabelled, resized or touched."""
     digest = hashlib.sha1(f"{IMAGE_SIZE}".encode())
+    prefix = os.path.join(folder, "")  # ImageFolder's paths start with it: cut, not os.path.relpath
     for path, label in samples:
         stat = os.stat(path)
-        name = os.path.relpath(path, folder)
+        name = path[len(prefix) :] if path.startswith(prefix) else os.path.relpath(path, folder)
         digest.update(f"{name}\t{label}\t{stat.st_size}\t{stat.st_mtime_ns}\n".encode())
     return digest.hexdigest()[:16]
 
