@@ -72,7 +72,7 @@ def test_help_lists_the_groups_and_points_to_every_key(tmp_path):
     assert groups == [
         "  data   cifar10*, imagefolder, synthetic",
         "  model  cnn*, fastcnn, resnet18",
-        "  optim  adamw, sgd*",
+        "  optim  adamw, muon, sgd*",
         "  perf   baseline, default*, fast",
         "  recipe default*, fastcnn_94, resnet18_94",
     ]

@@ -92,6 +92,11 @@ class OptimConfig:
     nesterov: bool = True  # sgd
     weight_decay: float = 5e-4
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # adamw
+    # muon: the convolution weights' peak lr (not scaled with the batch), momentum (Nesterov)
+    # and decoupled weight decay; the other parameters train with sgd's settings above
+    muon_lr: float = 0.02
+    muon_momentum: float = 0.95
+    muon_weight_decay: float = 0.0
     schedule: Schedule = Schedule.onecycle
     warmup_frac: float = 0.2  # onecycle, linear: fraction of the steps spent rising to lr
     lr_start_frac: float = 0.2  # linear: the first step's lr, as a fraction of the peak

@@ -57,13 +57,26 @@ def check_optim(cfg: OptimConfig) -> None:
             f"optim.momentum must be in [0, 1), got {cfg.momentum}: "
             "set optim.momentum=0.9 (or optim.momentum=0 for none)"
         )
-    if cfg.name is OptimizerName.sgd and cfg.nesterov and cfg.momentum == 0:
+    if cfg.name is not OptimizerName.adamw and cfg.nesterov and cfg.momentum == 0:
         raise ConfigError(
             "optim.nesterov=true needs momentum: set optim.momentum=0.9 or optim.nesterov=false"
         )
     if len(cfg.betas) != 2 or not all(0.0 <= beta < 1.0 for beta in cfg.betas):
         raise ConfigError(
             f"optim.betas must be two numbers in [0, 1), got {list(cfg.betas)}: set optim.betas=[0.9,0.999]"
+        )
+    if not (math.isfinite(cfg.muon_lr) and cfg.muon_lr >= 0):
+        raise ConfigError(
+            f"optim.muon_lr must be finite and not negative, got {cfg.muon_lr}: set e.g. optim.muon_lr=0.02"
+        )
+    if not 0.0 <= cfg.muon_momentum < 1.0:
+        raise ConfigError(
+            f"optim.muon_momentum must be in [0, 1), got {cfg.muon_momentum}: set optim.muon_momentum=0.95"
+        )
+    if not (math.isfinite(cfg.muon_weight_decay) and cfg.muon_weight_decay >= 0):
+        raise ConfigError(
+            f"optim.muon_weight_decay must be 0 or more, got {cfg.muon_weight_decay}: "
+            "set optim.muon_weight_decay=0"
         )
     if not 0.0 <= cfg.label_smoothing < 1.0:
         raise ConfigError(f"optim.label_smoothing must be in [0, 1), got {cfg.label_smoothing}")

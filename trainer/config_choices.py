@@ -37,6 +37,7 @@ class DecodeMode(Enum):
 class OptimizerName(Enum):
     sgd = "sgd"
     adamw = "adamw"
+    muon = "muon"  # torch.optim.Muon for the convolution weights, sgd for the rest
 
 
 class LrScaling(Enum):

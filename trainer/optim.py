@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from trainer.config import LrScaling, OptimConfig, OptimizerName, Schedule
+from trainer.muon import build_muon_with_sgd
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +33,11 @@ VANISHING_LR = 1e-8
 # lr_scaling=auto, by optimizer: SGD's update is proportional to the gradient, whose noise
 # falls as 1/batch (linear, Goyal et al.); Adam's is normalized by the gradient's size, and the
 # square root keeps its noise per update constant (Malladi et al.; timm's default for Adam-family).
-AUTO_SCALING = {OptimizerName.sgd: LrScaling.linear, OptimizerName.adamw: LrScaling.sqrt}
+AUTO_SCALING = {
+    OptimizerName.sgd: LrScaling.linear,
+    OptimizerName.muon: LrScaling.linear,  # optim.lr is sgd's there; optim.muon_lr is not scaled
+    OptimizerName.adamw: LrScaling.sqrt,
+}
 
 
 def scaling_rule(cfg: OptimConfig) -> LrScaling:
@@ -96,6 +101,8 @@ def build_optimizer(cfg: OptimConfig, model: nn.Module, extra: dict, lr: float) 
             cfg.lr_base_batch,
         )
     params = parameter_groups(cfg, model, lr)
+    if cfg.name is OptimizerName.muon:
+        return build_muon_with_sgd(cfg, params, lr, extra)
     if cfg.name is OptimizerName.adamw:
         return torch.optim.AdamW(
             params, lr=lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay, **extra

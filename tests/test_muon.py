@@ -1,0 +1,138 @@
+"""optim=muon: torch.optim.Muon steps the convolution weights (seen as matrices, in any memory
+layout), SGD the rest, as one optimizer that schedulers, checkpoints and resumes treat as any."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+import torch
+from conftest import compose_config
+from torch import nn
+
+from trainer import Trainer
+from trainer.config import ConfigError, OptimConfig, OptimizerName
+from trainer.muon import MuonWithSgd
+from trainer.optim import build_optimizer, build_scheduler
+
+MUON = OptimConfig(name=OptimizerName.muon, lr=0.1, momentum=0.9, muon_lr=0.05, muon_momentum=0.9)
+
+
+def small_net(channels_last: bool = False) -> nn.Module:
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        nn.Conv2d(3, 8, 3),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.Conv2d(8, 4, 3),
+        nn.Flatten(),
+        nn.Linear(4 * 4 * 4, 10),
+    )
+    return net.to(memory_format=torch.channels_last) if channels_last else net
+
+
+def train_steps(net: nn.Module, optimizer: torch.optim.Optimizer, steps: int = 3) -> None:
+    torch.manual_seed(1)
+    for _ in range(steps):
+        images = torch.randn(4, 3, 8, 8)
+        if not next(net.parameters()).is_contiguous():
+            images = images.to(memory_format=torch.channels_last)
+        nn.functional.cross_entropy(net(images), torch.arange(4)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def test_the_convolutions_take_torchs_muon_step_and_the_rest_sgds():
+    net, reference = small_net(), small_net()
+    optimizer = build_optimizer(MUON, net, {}, lr=0.1)
+    assert isinstance(optimizer, MuonWithSgd)
+    train_steps(net, optimizer)
+    # The same steps by hand: each conv weight as a (out, fan-in) parameter under torch.optim.Muon
+    convs = [module for module in reference if isinstance(module, nn.Conv2d)]
+    matrices = [nn.Parameter(conv.weight.detach().reshape(len(conv.weight), -1).clone()) for conv in convs]
+    muon = torch.optim.Muon(matrices, lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.0)
+    others = [
+        param
+        for name, param in reference.named_parameters()
+        if not (name.endswith("weight") and param.ndim == 4)
+    ]
+    sgd = torch.optim.SGD(others, lr=0.1, momentum=0.9, nesterov=True, weight_decay=MUON.weight_decay)
+
+    class Both:
+        def step(self):
+            for conv, matrix in zip(convs, matrices):
+                matrix.grad = conv.weight.grad.reshape(matrix.shape)
+            sgd.step()
+            muon.step()
+            for conv, matrix in zip(convs, matrices):
+                conv.weight.data.copy_(matrix.data.reshape(conv.weight.shape))
+
+        def zero_grad(self):
+            reference.zero_grad()
+
+    train_steps(reference, Both())
+    for (name, trained), expected in zip(net.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(trained, expected, msg=name)
+    assert not torch.equal(net[0].weight, small_net()[0].weight)
+
+
+def test_channels_last_weights_take_the_same_steps():
+    """Muon sees a channels_last weight's matrix with its columns in another order: the update is
+    the same, to the precision of Muon's bf16 iteration."""
+    plain, last = small_net(), small_net(channels_last=True)
+    train_steps(plain, build_optimizer(MUON, plain, {}, lr=0.1))
+    train_steps(last, build_optimizer(MUON, last, {}, lr=0.1))
+    assert last[0].weight.is_contiguous(memory_format=torch.channels_last)
+    for (name, expected), trained in zip(plain.named_parameters(), last.parameters()):
+        torch.testing.assert_close(trained, expected, atol=2e-3, rtol=0, msg=name)
+
+
+def test_schedulers_set_both_optimizers_lr_and_a_checkpoint_round_trips():
+    net = small_net()
+    optimizer = build_optimizer(MUON, net, {}, lr=0.1)
+    scheduler = build_scheduler(MUON, optimizer, total_steps=10)
+    train_steps(net, optimizer)
+    scheduler.step()
+    assert [group["lr"] for group in optimizer.sgd.param_groups + optimizer.muon.param_groups] == [
+        group["lr"] for group in optimizer.param_groups
+    ]
+    assert optimizer.muon.param_groups[0]["lr"] / optimizer.sgd.param_groups[0]["lr"] == pytest.approx(0.5)
+    copy = build_optimizer(MUON, small_net(), {}, lr=0.1)
+    copy.load_state_dict(optimizer.state_dict())
+    assert len(copy.muon.state) == 2 and len(copy.sgd.state) == len(optimizer.sgd.state) > 0
+    assert all(param.ndim == 4 for group in optimizer.muon.param_groups for param in group["params"])
+
+
+def test_a_run_trains_with_muon_and_resumes_exactly(tmp_path):
+    settings = ("optim=muon", "deterministic=true", "epochs=2")
+
+    class StopAfterFirstEpoch(Trainer):
+        def evaluate(self) -> dict:
+            signal.raise_signal(signal.SIGTERM)
+            return super().evaluate()
+
+    whole = Trainer(compose_config(*settings), tmp_path / "whole")
+    assert whole.fit()["status"] == "completed" and isinstance(whole.optimizer, MuonWithSgd)
+    assert (
+        StopAfterFirstEpoch(compose_config(*settings), tmp_path / "stopped").fit()["status"] == "interrupted"
+    )
+    resumed = Trainer(compose_config(*settings, f"resume={tmp_path / 'stopped'}"), tmp_path / "resumed")
+    assert resumed.fit()["status"] == "completed"
+    for (name, expected), actual in zip(
+        whole.raw_model.state_dict().items(), resumed.raw_model.state_dict().values()
+    ):
+        assert torch.equal(expected, actual), name
+
+
+@pytest.mark.parametrize(
+    ("override", "fragment"),
+    [
+        ("optim.muon_lr=-1", "optim.muon_lr must be finite and not negative, got -1.0"),
+        ("optim.muon_momentum=1", "optim.muon_momentum must be in [0, 1), got 1.0"),
+        ("optim.muon_weight_decay=-0.1", "optim.muon_weight_decay must be 0 or more"),
+    ],
+)
+def test_bad_muon_settings_are_refused_in_one_line(override, fragment):
+    with pytest.raises(ConfigError) as caught:
+        Trainer(compose_config("optim=muon", override))
+    assert fragment in str(caught.value) and "\n" not in str(caught.value)

@@ -1,0 +1,128 @@
+"""optim=muon: torch.optim.Muon for the convolution weights, SGD (optim.lr, momentum, nesterov,
+weight_decay, as optim=sgd) for every other parameter, stepped as one optimizer.
+
+Why by hand: torch.optim.Muon takes 2-D parameters only, and a convolution's weight is 4-D.
+Muon orthogonalizes each weight's update as a matrix of output channels x fan-in. Here each
+convolution weight gets a 2-D alias over the same memory, in the order its elements lie in
+(contiguous or channels_last: a different column order permutes the orthogonalized update the
+same way, so the update is the same), and Muon steps the aliases, which writes into the
+weights. Everything else sees the weights themselves: the schedulers (which set lr and
+momentum in every parameter group), the gradient scaler, zero_grad and the checkpoints; the
+aliases are put in Muon's groups only while it steps and saves.
+
+Owns: which parameters Muon steps and the combined optimizer. Must not touch: the lr and its
+scaling (trainer/optim.py), when it steps (trainer/loop.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from trainer.config import OptimConfig
+
+
+def steps_with_muon(param: torch.Tensor) -> bool:
+    """Muon for convolution weights (4-D); the biases, BatchNorm and the linear head go to SGD."""
+    return param.ndim == 4
+
+
+def matrix_alias(weight: torch.Tensor) -> nn.Parameter:
+    """A 2-D parameter over the weight's memory: output channels x fan-in, in memory order."""
+    outputs = weight.shape[0]
+    dense = weight.is_contiguous() or weight.is_contiguous(memory_format=torch.channels_last)
+    if not dense or weight.stride(0) != weight.numel() // outputs:
+        raise ValueError(f"a weight of strides {weight.stride()} is not one matrix in memory")
+    return nn.Parameter(
+        weight.detach().as_strided((outputs, weight.numel() // outputs), (weight.numel() // outputs, 1))
+    )
+
+
+def as_matrix(grad: torch.Tensor, weight: torch.Tensor, alias: nn.Parameter) -> torch.Tensor:
+    """The gradient as its weight's alias sees the weight (a copy only where its layout differs)."""
+    if grad.stride() != weight.stride():
+        grad = torch.empty_like(weight).copy_(grad)
+    return grad.as_strided(alias.shape, alias.stride())
+
+
+class MuonWithSgd(torch.optim.Optimizer):
+    """One optimizer over two: `sgd` for its groups, `muon` for the convolution weights. Its
+    param_groups are theirs (the same dicts), so a scheduler's lr and momentum reach both."""
+
+    def __init__(self, sgd: torch.optim.SGD, muon_groups: list[dict], muon_settings: dict):
+        self.weights = [group.pop("params") for group in muon_groups]
+        self.aliases = [[matrix_alias(weight) for weight in weights] for weights in self.weights]
+        groups = [{**group, "params": aliases} for group, aliases in zip(muon_groups, self.aliases)]
+        self.sgd, self.muon = sgd, torch.optim.Muon(groups, **muon_settings)
+        super().__init__([*sgd.param_groups, *self.muon.param_groups], sgd.defaults)
+        self.show_weights()
+        self.param_groups = [*self.sgd.param_groups, *self.muon.param_groups]
+
+    def show_weights(self) -> None:
+        for group, weights in zip(self.muon.param_groups, self.weights):
+            group["params"] = weights
+
+    @contextlib.contextmanager
+    def muon_on_aliases(self) -> Iterator[None]:
+        """Muon's groups hold the aliases, each with its weight's gradient seen as a matrix."""
+        for group, aliases, weights in zip(self.muon.param_groups, self.aliases, self.weights):
+            group["params"] = aliases
+            for alias, weight in zip(aliases, weights):
+                alias.grad = None if weight.grad is None else as_matrix(weight.grad, weight, alias)
+        try:
+            yield
+        finally:
+            for aliases in self.aliases:
+                for alias in aliases:
+                    alias.grad = None  # not to keep a gradient zero_grad dropped
+            self.show_weights()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = self.sgd.step(closure)
+        with self.muon_on_aliases():
+            self.muon.step()
+        return loss
+
+    def state_dict(self) -> dict:
+        with self.muon_on_aliases():
+            return {"sgd": self.sgd.state_dict(), "muon": self.muon.state_dict()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.sgd.load_state_dict(state_dict["sgd"])
+        with self.muon_on_aliases():
+            self.muon.load_state_dict(state_dict["muon"])
+        self.param_groups = [*self.sgd.param_groups, *self.muon.param_groups]
+
+
+def build_muon_with_sgd(cfg: OptimConfig, groups: list[dict], lr: float, extra: dict) -> MuonWithSgd:
+    """`groups`: the parameter groups optim=sgd would get; their convolution weights move to Muon
+    at optim.muon_lr (not scaled with the batch: Muon's update has a set size whatever the batch)."""
+    sgd_groups, muon_groups = [], []
+    for group in groups:
+        kept = [param for param in group["params"] if not steps_with_muon(param)]
+        moved = [param for param in group["params"] if steps_with_muon(param)]
+        if kept:
+            sgd_groups.append({**group, "params": kept})
+        if moved:
+            muon_groups.append({"params": moved})
+    if not muon_groups:
+        raise ValueError("optim=muon: the model has no convolution weights for Muon; use optim=sgd")
+    sgd = torch.optim.SGD(
+        sgd_groups,
+        lr=lr,
+        momentum=cfg.momentum,
+        nesterov=cfg.nesterov,
+        weight_decay=cfg.weight_decay,
+        **extra,
+    )
+    settings = {
+        "lr": cfg.muon_lr,
+        "momentum": cfg.muon_momentum,
+        "nesterov": True,
+        "weight_decay": cfg.muon_weight_decay,
+    }
+    return MuonWithSgd(sgd, muon_groups, settings)
