@@ -11,7 +11,7 @@ from conftest import compose_config
 from torch import nn
 
 from trainer import Trainer
-from trainer.config import ConfigError, OptimConfig, OptimizerName
+from trainer.config import ConfigError, OptimConfig, OptimizerName, TrainerError
 from trainer.muon import MuonWithSgd
 from trainer.optim import build_optimizer, build_scheduler
 
@@ -136,3 +136,24 @@ def test_bad_muon_settings_are_refused_in_one_line(override, fragment):
     with pytest.raises(ConfigError) as caught:
         Trainer(compose_config("optim=muon", override))
     assert fragment in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_onecycle_keeps_muons_momentum_and_cycles_sgds():
+    net = small_net()
+    optimizer = build_optimizer(MUON, net, {}, lr=0.1)
+    scheduler = build_scheduler(MUON, optimizer, total_steps=10)
+    train_steps(net, optimizer, steps=4)
+    for _ in range(4):
+        scheduler.step()
+    assert [group["momentum"] for group in optimizer.muon.param_groups] == [MUON.muon_momentum]
+    assert 0.85 < optimizer.sgd.param_groups[0]["momentum"] < 0.95
+
+
+def test_a_weight_moved_after_the_optimizer_was_built_is_refused():
+    """Muon steps aliases of the weights' memory: a model converted afterwards would leave its
+    convolutions untrained without a word."""
+    net = small_net()
+    optimizer = build_optimizer(MUON, net, {}, lr=0.1)
+    net.to(memory_format=torch.channels_last)
+    with pytest.raises(TrainerError, match="moved or converted after the optimizer was built"):
+        train_steps(net, optimizer, steps=1)

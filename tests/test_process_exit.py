@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -54,3 +55,14 @@ def test_the_exit_code_is_the_one_the_interpreter_would_give(capsys):
     stderr = capsys.readouterr().err
     assert stderr.startswith("a message\nTraceback") and stderr.endswith("ValueError: broken\n")
     assert exit_code_of(lambda: 3) == 3 and exit_code_of(interrupted) == 130
+
+
+def test_a_closed_stdout_or_a_ctrl_c_end_the_process_as_the_interpreter_would():
+    """A closed stdout keeps the exit code; an uncaught Ctrl-C ends the process by SIGINT, so
+    that a shell loop around the command stops too."""
+    code = "from trainer.process_exit import run; run(lambda: 3)"
+    closed = subprocess.run(f"{sys.executable} -c '{code}' >&-", shell=True, env=cli_environment())
+    assert closed.returncode == 3
+    ctrl_c = "from trainer.process_exit import run\ndef main():\n    raise KeyboardInterrupt\nrun(main)"
+    interrupted = subprocess.run([sys.executable, "-c", ctrl_c], capture_output=True, env=cli_environment())
+    assert interrupted.returncode == -signal.SIGINT

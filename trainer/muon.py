@@ -22,12 +22,13 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from trainer.config import OptimConfig
+from trainer.config import OptimConfig, TrainerError
 
 
-def steps_with_muon(param: torch.Tensor) -> bool:
-    """Muon for convolution weights (4-D); the biases, BatchNorm and the linear head go to SGD."""
-    return param.ndim == 4
+def convolution_weights(model: nn.Module) -> set[int]:
+    """The ids of the 2-D convolutions' weights: Muon's. The biases, BatchNorm, the linear head
+    and any other parameter go to SGD."""
+    return {id(module.weight) for module in model.modules() if isinstance(module, nn.Conv2d)}
 
 
 def matrix_alias(weight: torch.Tensor) -> nn.Parameter:
@@ -71,6 +72,12 @@ class MuonWithSgd(torch.optim.Optimizer):
         for group, aliases, weights in zip(self.muon.param_groups, self.aliases, self.weights):
             group["params"] = aliases
             for alias, weight in zip(aliases, weights):
+                if alias.data_ptr() != weight.data_ptr() or weight.stride()[0] != alias.stride()[0]:
+                    raise TrainerError(
+                        "optim=muon: a convolution weight was moved or converted after the optimizer "
+                        "was built, and Muon would step its old memory: move the model (device, "
+                        "memory format) before building the optimizer"
+                    )
                 alias.grad = None if weight.grad is None else as_matrix(weight.grad, weight, alias)
         try:
             yield
@@ -98,13 +105,16 @@ class MuonWithSgd(torch.optim.Optimizer):
         self.param_groups = [*self.sgd.param_groups, *self.muon.param_groups]
 
 
-def build_muon_with_sgd(cfg: OptimConfig, groups: list[dict], lr: float, extra: dict) -> MuonWithSgd:
+def build_muon_with_sgd(
+    cfg: OptimConfig, model: nn.Module, groups: list[dict], lr: float, extra: dict
+) -> MuonWithSgd:
     """`groups`: the parameter groups optim=sgd would get; their convolution weights move to Muon
     at optim.muon_lr (not scaled with the batch: Muon's update has a set size whatever the batch)."""
+    convolutions = convolution_weights(model)
     sgd_groups, muon_groups = [], []
     for group in groups:
-        kept = [param for param in group["params"] if not steps_with_muon(param)]
-        moved = [param for param in group["params"] if steps_with_muon(param)]
+        kept = [param for param in group["params"] if id(param) not in convolutions]
+        moved = [param for param in group["params"] if id(param) in convolutions]
         if kept:
             sgd_groups.append({**group, "params": kept})
         if moved:

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from trainer.config import LrScaling, OptimConfig, OptimizerName, Schedule
-from trainer.muon import build_muon_with_sgd
+from trainer.muon import MuonWithSgd, build_muon_with_sgd
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ def build_optimizer(cfg: OptimConfig, model: nn.Module, extra: dict, lr: float) 
         )
     params = parameter_groups(cfg, model, lr)
     if cfg.name is OptimizerName.muon:
-        return build_muon_with_sgd(cfg, params, lr, extra)
+        return build_muon_with_sgd(cfg, model, params, lr, extra)
     if cfg.name is OptimizerName.adamw:
         return torch.optim.AdamW(
             params, lr=lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay, **extra
@@ -147,8 +147,22 @@ def build_scheduler(cfg: OptimConfig, optimizer: torch.optim.Optimizer, total_st
     if cfg.schedule is Schedule.onecycle:
         pct_start = onecycle_pct_start(cfg.warmup_frac, total_steps)
         peaks = [group["lr"] for group in optimizer.param_groups]
+        # OneCycleLR cycles every group's momentum between 0.85 and 0.95 (its defaults); Muon's
+        # groups keep optim.muon_momentum
+        muon = (
+            {id(group) for group in optimizer.muon.param_groups}
+            if isinstance(optimizer, MuonWithSgd)
+            else set()
+        )
+        lows = [cfg.muon_momentum if id(group) in muon else 0.85 for group in optimizer.param_groups]
+        highs = [cfg.muon_momentum if id(group) in muon else 0.95 for group in optimizer.param_groups]
         return torch.optim.lr_scheduler.OneCycleLR(
-            optimizer, max_lr=peaks, total_steps=total_steps, pct_start=pct_start
+            optimizer,
+            max_lr=peaks,
+            total_steps=total_steps,
+            pct_start=pct_start,
+            base_momentum=lows,
+            max_momentum=highs,
         )
     if cfg.schedule is Schedule.linear:
         factor = linear_warmup_decay(total_steps, cfg.warmup_frac, cfg.lr_start_frac)

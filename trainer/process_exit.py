@@ -14,31 +14,47 @@ is stopped as at a normal exit.
         process_exit.run(main)
 
 Only for a process's own entry point: a caller of main() in Python (a test) keeps running.
+Under a debugger or profiler (`python -m cProfile -m trainer`), or with TRAINER_FULL_EXIT set,
+the process ends through the interpreter's own exit instead.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import os
+import signal
 import sys
 import threading
 import traceback
 from collections.abc import Callable
 from typing import NoReturn
 
+KEEP_TEARDOWN = "TRAINER_FULL_EXIT"  # set (to anything): end through the interpreter's own exit
+INTERRUPTED = 130  # an uncaught Ctrl-C: the process then ends by SIGINT, as the interpreter's does
+
 
 def run(main: Callable[[], object]) -> NoReturn:
+    if sys.gettrace() is not None or sys.getprofile() is not None or os.environ.get(KEEP_TEARDOWN):
+        sys.exit(main())  # under a debugger or profiler, which act at the interpreter's exit
     code = exit_code_of(main)
     # As the interpreter's own exit: threading's exit hooks (concurrent.futures tells its
     # workers' manager threads to stop there), the threads that are not daemons joined, then
     # the atexit handlers.
     threading._shutdown()
     atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        # a closed or full stdout (a pipe into `head`) must not change the exit code
-        with contextlib.suppress(OSError, ValueError):
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        # None where the descriptor was closed at start; a closed or full stdout (a pipe into
+        # `head`) must not change the exit code
+        with contextlib.suppress(Exception):
             stream.flush()
+    with contextlib.suppress(Exception):  # what C libraries buffered (NCCL_DEBUG, CUDA printf)
+        ctypes.CDLL(None).fflush(None)
+    if code == INTERRUPTED:
+        # as the interpreter ends after an uncaught Ctrl-C: by SIGINT, so that a shell loop stops
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
     os._exit(code)
 
 
@@ -55,7 +71,7 @@ def exit_code_of(main: Callable[[], object]) -> int:
         return 1
     except KeyboardInterrupt:
         traceback.print_exc()
-        return 130
+        return INTERRUPTED
     except BaseException:
         traceback.print_exc()
         return 1

@@ -268,6 +268,9 @@ class Run:
         if isinstance(error, distributed.WorkerFailed):
             summary["failed_rank"] = error.rank
         self.write_final_record(summary)
+        if getattr(self, "log", None) is not None:
+            with contextlib.suppress(Exception):  # TensorBoard's queue written out, as on success
+                self.log.close()
 
     def write_final_record(self, summary: dict) -> None:
         """metrics.json with the run's final status: the whole record, or where a full disk

@@ -78,8 +78,9 @@ class StepGraph:
 
     A graph's backward writes every gradient anew, into memory the graph owns: the parameters'
     .grad point there between replays, where the optimizer reads them, and must not be dropped
-    or zeroed (zero_grad does nothing under step_graph). With two shapes, each graph has its own
-    gradients, and the parameters point at those of the graph that ran last."""
+    or zeroed (zero_grad does nothing under step_graph). With two shapes in one process, each graph
+    has its own gradients, and the parameters point at those of the graph that ran last; with
+    several ranks both graphs leave them in the gradient average's buffer (trainer/perf/all_reduce.py)."""
 
     @classmethod
     def of(cls, model: nn.Module) -> StepGraph:
