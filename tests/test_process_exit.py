@@ -59,10 +59,13 @@ def test_the_exit_code_is_the_one_the_interpreter_would_give(capsys):
 
 def test_a_closed_stdout_or_a_ctrl_c_end_the_process_as_the_interpreter_would():
     """A closed stdout keeps the exit code; an uncaught Ctrl-C ends the process by SIGINT, so
-    that a shell loop around the command stops too."""
+    that a shell loop around the command stops too; a run's own 130 (stopped) stays 130."""
     code = "from trainer.process_exit import run; run(lambda: 3)"
     closed = subprocess.run(f"{sys.executable} -c '{code}' >&-", shell=True, env=cli_environment())
     assert closed.returncode == 3
     ctrl_c = "from trainer.process_exit import run\ndef main():\n    raise KeyboardInterrupt\nrun(main)"
     interrupted = subprocess.run([sys.executable, "-c", ctrl_c], capture_output=True, env=cli_environment())
     assert interrupted.returncode == -signal.SIGINT
+    # a run that stopped on a signal and says so with 130 keeps its code
+    stopped = "import sys\nfrom trainer.process_exit import run\nrun(lambda: sys.exit(130))"
+    assert subprocess.run([sys.executable, "-c", stopped], env=cli_environment()).returncode == 130

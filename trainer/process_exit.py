@@ -32,13 +32,21 @@ from collections.abc import Callable
 from typing import NoReturn
 
 KEEP_TEARDOWN = "TRAINER_FULL_EXIT"  # set (to anything): end through the interpreter's own exit
-INTERRUPTED = 130  # an uncaught Ctrl-C: the process then ends by SIGINT, as the interpreter's does
 
 
 def run(main: Callable[[], object]) -> NoReturn:
     if sys.gettrace() is not None or sys.getprofile() is not None or os.environ.get(KEEP_TEARDOWN):
         sys.exit(main())  # under a debugger or profiler, which act at the interpreter's exit
-    code = exit_code_of(main)
+    ctrl_c = []  # an uncaught Ctrl-C, not a run that stopped on one and exits 130 itself
+
+    def noting_ctrl_c() -> object:
+        try:
+            return main()
+        except KeyboardInterrupt:
+            ctrl_c.append(True)
+            raise
+
+    code = exit_code_of(noting_ctrl_c)
     # As the interpreter's own exit: threading's exit hooks (concurrent.futures tells its
     # workers' manager threads to stop there), the threads that are not daemons joined, then
     # the atexit handlers.
@@ -51,7 +59,7 @@ def run(main: Callable[[], object]) -> NoReturn:
             stream.flush()
     with contextlib.suppress(Exception):  # what C libraries buffered (NCCL_DEBUG, CUDA printf)
         ctypes.CDLL(None).fflush(None)
-    if code == INTERRUPTED:
+    if ctrl_c:
         # as the interpreter ends after an uncaught Ctrl-C: by SIGINT, so that a shell loop stops
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
@@ -71,7 +79,7 @@ def exit_code_of(main: Callable[[], object]) -> int:
         return 1
     except KeyboardInterrupt:
         traceback.print_exc()
-        return INTERRUPTED
+        return 130
     except BaseException:
         traceback.print_exc()
         return 1
