@@ -157,3 +157,9 @@ def test_a_weight_moved_after_the_optimizer_was_built_is_refused():
     net.to(memory_format=torch.channels_last)
     with pytest.raises(TrainerError, match="moved or converted after the optimizer was built"):
         train_steps(net, optimizer, steps=1)
+
+
+def test_a_model_without_convolutions_is_refused_in_one_line():
+    mlp = nn.Sequential(nn.Flatten(), nn.Linear(12, 10))
+    with pytest.raises(ConfigError, match="no trainable Conv2d weights for Muon: use optim=sgd"):
+        build_optimizer(MUON, mlp, {}, lr=0.1)

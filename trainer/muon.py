@@ -22,7 +22,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from trainer.config import OptimConfig, TrainerError
+from trainer.config import ConfigError, OptimConfig, TrainerError
 
 
 def convolution_weights(model: nn.Module) -> set[int]:
@@ -120,7 +120,7 @@ def build_muon_with_sgd(
         if moved:
             muon_groups.append({"params": moved})
     if not muon_groups:
-        raise ValueError("optim=muon: the model has no convolution weights for Muon; use optim=sgd")
+        raise ConfigError("optim=muon: the model has no trainable Conv2d weights for Muon: use optim=sgd")
     sgd = torch.optim.SGD(
         sgd_groups,
         lr=lr,
