@@ -1,7 +1,8 @@
 """One sweep under Hydra's basic launcher (jobs one after another, in one process) and under
 hydra/launcher=parallel (jobs side by side), taking turns, in one run: wall time per launcher,
-the ratio, and each launcher's median images/s per job (a job beside another may run slower
-than alone: the table shows by how much).
+the ratio, and per job (medians from metrics.json) its images/s (a job beside another may run
+slower than alone: the table shows by how much) and where its time went: startup_s,
+compile_s, train_time_s, eval_time_s and the job's wall_s.
 
     python scripts/bench_sweep_launchers.py --n-jobs 2 --repeats 3
     python scripts/bench_sweep_launchers.py --n-jobs 2 -- model=fastcnn perf=fast recipe=fastcnn_94 \
@@ -46,13 +47,25 @@ def run_sweep(launcher: list[str], sweep: list[str], folder: Path) -> dict:
         text=True,
     )
     wall = time.perf_counter() - started
-    rates = []
-    for metrics in sorted(folder.glob("*/metrics.json")):
-        rate = json.loads(metrics.read_text()).get("img_per_s")
-        if rate:
-            rates.append(rate)
+    jobs = [json.loads(metrics.read_text()) for metrics in sorted(folder.glob("*/metrics.json"))]
     tail = result.stderr.strip().splitlines()[-1:] if result.returncode else []
-    return {"wall_s": wall, "returncode": result.returncode, "img_per_s": rates, "tail": tail}
+    return {"wall_s": wall, "returncode": result.returncode, "jobs": jobs, "tail": tail}
+
+
+# Where a job's time goes (metrics.json): set-up before the run (the process's first job: the
+# interpreter and imports; later jobs: their own start), compilation, training, evaluation,
+# and the job from its start to its record.
+JOB_PARTS = ("img_per_s", "startup_s", "compile_s", "train_time_s", "eval_time_s", "wall_s")
+
+
+def job_medians(runs: list[dict]) -> list[str]:
+    cells = []
+    for key in JOB_PARTS:
+        values = [job[key] for run in runs for job in run["jobs"] if isinstance(job.get(key), (int, float))]
+        cells.append(
+            "-" if not values else f"{statistics.median(values):,.{0 if key == 'img_per_s' else 2}f}"
+        )
+    return cells
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,17 +97,19 @@ def main(argv: list[str] | None = None) -> int:
                 if run["returncode"]:
                     print(f"  {run['tail']}", file=sys.stderr)
     print(f"\nsweep: {' '.join(sweep)}; {os.cpu_count()} cores, {args.repeats} sweep(s) per launcher\n")
-    print("| launcher | wall s (median) | spread | vs basic | images/s per job (median) |")
-    print("| --- | ---: | ---: | ---: | ---: |")
+    print(
+        "| launcher | wall s (median) | spread | vs basic | per job (median): images/s | startup s "
+        "| compile s | train s | eval s | job wall s |"
+    )
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     basic = None
     for name, runs in results.items():
         walls = [run["wall_s"] for run in runs]
         median = statistics.median(walls)
         basic = basic or median
-        rates = [rate for run in runs for rate in run["img_per_s"]]
-        rate = f"{statistics.median(rates):,.0f}" if rates else "-"
+        cells = " | ".join(job_medians(runs))
         print(
-            f"| {name} | {median:.1f} | {min(walls):.1f}-{max(walls):.1f} | {median / basic:.2f}x | {rate} |"
+            f"| {name} | {median:.1f} | {min(walls):.1f}-{max(walls):.1f} | {median / basic:.2f}x | {cells} |"
         )
     return 0 if all(run["returncode"] == 0 for runs in results.values() for run in runs) else 1
 
