@@ -17,7 +17,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torch import nn
 
 from trainer import Trainer, tags
-from trainer.config import ExportFormat, FlipMode, TtaMode, to_train_config
+from trainer.config import ConfigError, ExportFormat, FlipMode, TtaMode, to_train_config
 from trainer.data import Normalizer, synthetic_split
 from trainer.ema import WeightAverage, warmed_up_decay
 from trainer.evaluate import EVALUATION, evaluate_run, evaluated_weights, main
@@ -110,6 +110,39 @@ def test_tta_averages_the_logits_of_the_views():
         {"test_loss": math.log(1 + math.e), "test_acc": 0.0}
     )
     assert evaluate(Columns(), batches, tta_views(TtaMode.flip), device)["test_acc_tta"] == 1.0
+
+
+def test_tta_for_the_unsure_share_averages_only_the_least_sure_images():
+    """eval.tta_unsure=0.5 on 4 images labelled 1, each brighter on the left than twice its right
+    column (plainly class 0) by a margin that grows with its index: the 2 least sure (0 and 1)
+    get the mirror and become right; 2 and 3 keep their plain, wrong logits. The model sees the
+    4 images once and the 2 mirrored ones, not 4 x 2."""
+    seen = []
+
+    class Columns(nn.Module):
+        def forward(self, images):
+            seen.append(len(images))
+            return torch.stack([images[..., 0].mean(dim=(1, 2)), 2 * images[..., -1].mean(dim=(1, 2))], 1)
+
+    images = torch.zeros(4, 3, 32, 32)
+    images[..., -1] = 0.4
+    images[..., 0] = torch.tensor([0.81, 0.85, 2.0, 3.0]).view(4, 1, 1)
+    batches = [(images, torch.ones(4, dtype=torch.long))]
+    device = torch.device("cpu")
+    everyone = evaluate(Columns(), batches, tta_views(TtaMode.flip), device)
+    assert everyone["test_acc_tta"] == 1.0 and seen == [8]
+    seen.clear()
+    unsure = evaluate(Columns(), batches, tta_views(TtaMode.flip), device, unsure_share=0.5)
+    assert unsure["test_acc_tta"] == 0.5 and seen == [4, 2]
+    assert {key: unsure[key] for key in ("test_loss", "test_acc")} == {
+        key: everyone[key] for key in ("test_loss", "test_acc")
+    }
+
+
+@pytest.mark.parametrize("share", [0, 1.5])
+def test_a_tta_share_outside_zero_to_one_is_refused_in_one_line(share):
+    with pytest.raises(ConfigError, match=r"eval.tta_unsure must be in \(0, 1\]"):
+        to_train_config(compose_config("eval.tta=flip", f"eval.tta_unsure={share}"))
 
 
 def test_translated_views_move_the_image_one_pixel_with_reflected_edges():

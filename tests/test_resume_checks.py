@@ -208,6 +208,7 @@ APPLIED_SETTINGS = (  # read afresh by the resumed run: a change applies, and is
     "optim.label_smoothing",
     "eval.tta",
     "eval.from_epoch",
+    "eval.tta_unsure",
     "ema.decay",
     "ema.update_every",
     "device",

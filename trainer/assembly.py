@@ -88,6 +88,7 @@ class Parts:
     # evaluation plan
     eval_plan: evaluation.Plan
     tta_views: list[evaluation.View]
+    tta_unsure: float  # the share of each test batch the views are for (eval.tta_unsure)
     target_acc: float | None
     # measuring and diagnosing
     warm_up_steps: int  # trained and undone before the clock starts (compile, cuDNN autotuning)
@@ -162,6 +163,7 @@ def assemble(cfg: TrainConfig, ranks: Ranks, device: torch.device) -> Parts:
         log_every=cfg.log_every,
         eval_plan=evaluation.Plan(cfg.eval.from_epoch, cfg.eval_every),
         tta_views=evaluation.tta_views(cfg.eval.tta),
+        tta_unsure=cfg.eval.tta_unsure,
         target_acc=cfg.target_acc,
         warm_up_steps=warm_up_steps,
         warm_up_work=perf.warm_up_work(cfg, device, captured=step_graph is not None),

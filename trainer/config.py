@@ -115,6 +115,9 @@ class EvalConfig:
     # the first epoch evaluated on the test set; then every eval_every epochs, and always the last
     # (a recipe that knows when its target can be reached evaluates no earlier)
     from_epoch: int = 1
+    # with tta: the share of each test batch that gets the views, the images whose plain
+    # prediction is least sure (smallest gap between the two likeliest classes); 1: every image
+    tta_unsure: float = 1.0
 
     def __post_init__(self) -> None:
         config_checks.check_eval(self)

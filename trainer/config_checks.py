@@ -98,6 +98,11 @@ def check_optim(cfg: OptimConfig) -> None:
 def check_eval(cfg: EvalConfig) -> None:
     if cfg.from_epoch < 1:
         raise ConfigError(f"eval.from_epoch must be at least 1, got {cfg.from_epoch}: set eval.from_epoch=1")
+    if not 0.0 < cfg.tta_unsure <= 1.0:
+        raise ConfigError(
+            f"eval.tta_unsure must be in (0, 1], got {cfg.tta_unsure}: set eval.tta_unsure=1 (every image) "
+            "or e.g. eval.tta_unsure=0.25"
+        )
 
 
 def check_ema(cfg: EmaConfig) -> None:

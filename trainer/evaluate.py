@@ -143,6 +143,7 @@ def evaluate_run(
         evaluation.tta_views(cfg.eval.tta),
         device,
         perf.autocast_context(cfg, device),
+        unsure_share=cfg.eval.tta_unsure,
     )
     folder = run_folder(path)
     result = {

@@ -12,6 +12,7 @@ when the loop calls it, what the run writes.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -80,21 +81,31 @@ def evaluate(
     device: torch.device,
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     ranks: Ranks | None = None,
+    unsure_share: float = 1.0,
 ) -> dict:
     """test_loss and test_acc of the plain images; test_acc_tta when there are several views.
-    Summed across ranks (each rank holding its own shard of the test set)."""
+    Summed across ranks (each rank holding its own shard of the test set). `unsure_share` below
+    1: only that share of each batch, the images whose plain prediction is least sure, gets the
+    other views; the rest keep their plain logits."""
     model.eval()
     totals = torch.zeros(4, dtype=torch.float64, device=device)
     for images, labels in batches:
         with autocast():
-            logits = model(torch.cat([view(images) for view in views]))
-        logits = logits.float().view(len(views), len(labels), -1)
+            if len(views) > 1 and unsure_share < 1:
+                plain, averaged = unsure_views_logits(model, images, views, unsure_share)
+            else:
+                logits = (
+                    model(torch.cat([view(images) for view in views]))
+                    .float()
+                    .view(len(views), len(labels), -1)
+                )
+                plain, averaged = logits[0], logits.mean(dim=0)
         totals += torch.stack(
             [
-                F.cross_entropy(logits[0], labels, reduction="sum").double(),
-                (logits[0].argmax(dim=1) == labels).sum().double(),
+                F.cross_entropy(plain, labels, reduction="sum").double(),
+                (plain.argmax(dim=1) == labels).sum().double(),
                 torch.tensor(labels.numel(), dtype=torch.float64, device=labels.device),
-                (logits.mean(dim=0).argmax(dim=1) == labels).sum().double(),
+                (averaged.argmax(dim=1) == labels).sum().double(),
             ]
         )
     loss, correct, count, correct_tta = distributed.all_reduce_sum(totals, ranks or Ranks()).tolist()
@@ -102,3 +113,19 @@ def evaluate(
     if len(views) > 1:
         result["test_acc_tta"] = correct_tta / count
     return result
+
+
+def unsure_views_logits(
+    model: nn.Module, images: torch.Tensor, views: list[View], share: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(plain logits, logits averaged over the views for the ceil(share x batch) images with the
+    smallest gap between their two likeliest classes, plain for the others). A fixed count per
+    batch size, so that a compiled model sees a fixed shape."""
+    plain = model(images).float()
+    count = math.ceil(share * len(images))
+    top2 = plain.softmax(dim=1).topk(2, dim=1).values
+    unsure = (top2[:, 0] - top2[:, 1]).topk(count, largest=False).indices
+    others = model(torch.cat([view(images[unsure]) for view in views[1:]])).float()
+    averaged = plain.clone()
+    averaged[unsure] = (plain[unsure] + others.view(len(views) - 1, count, -1).sum(dim=0)) / len(views)
+    return plain, averaged

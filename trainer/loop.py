@@ -271,12 +271,16 @@ def evaluate(parts: Parts) -> dict:
     """Test loss and accuracy over every test image exactly once (summed across ranks), of the
     weight average when ema is on; with eval.tta also test_acc_tta. With ema on, the trained
     weights are evaluated too, beside it: test_acc_trained (and the other keys, so suffixed)."""
-    results = evaluation.evaluate(
-        parts.average.module, parts.test_batches, parts.tta_views, parts.device, parts.autocast, parts.ranks
+    common = (
+        parts.test_batches,
+        parts.tta_views,
+        parts.device,
+        parts.autocast,
+        parts.ranks,
+        parts.tta_unsure,
     )
+    results = evaluation.evaluate(parts.average.module, *common)
     if parts.average.module is not parts.raw_model:
-        trained = evaluation.evaluate(
-            parts.raw_model, parts.test_batches, parts.tta_views, parts.device, parts.autocast, parts.ranks
-        )
+        trained = evaluation.evaluate(parts.raw_model, *common)
         results |= {f"{key}_trained": value for key, value in trained.items()}
     return results
