@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from trainer.config import ConfigError, OptimConfig, TrainerError
+from trainer.perf.all_reduce import memory_order
 
 
 def convolution_weights(model: nn.Module) -> set[int]:
@@ -32,14 +33,9 @@ def convolution_weights(model: nn.Module) -> set[int]:
 
 
 def matrix_alias(weight: torch.Tensor) -> nn.Parameter:
-    """A 2-D parameter over the weight's memory: output channels x fan-in, in memory order."""
-    outputs = weight.shape[0]
-    dense = weight.is_contiguous() or weight.is_contiguous(memory_format=torch.channels_last)
-    if not dense or weight.stride(0) != weight.numel() // outputs:
-        raise ValueError(f"a weight of strides {weight.stride()} is not one matrix in memory")
-    return nn.Parameter(
-        weight.detach().as_strided((outputs, weight.numel() // outputs), (weight.numel() // outputs, 1))
-    )
+    """A 2-D parameter over the weight's memory: output channels x fan-in, in memory order
+    (a dense layout, contiguous or channels_last, keeps each output channel's row in one run)."""
+    return nn.Parameter(memory_order(weight.detach()).view(weight.shape[0], -1))
 
 
 def as_matrix(grad: torch.Tensor, weight: torch.Tensor, alias: nn.Parameter) -> torch.Tensor:
