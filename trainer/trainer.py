@@ -77,11 +77,13 @@ class Trainer:
 
     def build(self, ranks: Ranks | None = None) -> Trainer:
         """Assemble the parts and restore a resumed run's state into them (fit() calls this)."""
+        started = time.perf_counter()
         self.ranks = ranks = ranks or self.ranks or Ranks()
         self.run.device = device = resolve_device(self.cfg.device, ranks, self.cfg.ddp)
         resume = self.run.load_resume()
         self.parts = assemble(self.cfg, ranks, device)
         self.run.begin(self.parts, resume)
+        self.run.setup_s = time.perf_counter() - started  # data, model, optimizer, the restore
         return self
 
     def evaluate(self) -> dict:
