@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import cli_environment, compose_config, needs_subset, read_metrics
+from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
 
@@ -92,6 +93,27 @@ def test_recipe_presets_set_how_to_train_and_leave_speed_to_perf(recipe):
     assert cfg.batch_size == to_train_config(compose_config(f"recipe={recipe}", small=False)).batch_size
     fastcnn_94 = to_train_config(compose_config("perf=fast", "recipe=fastcnn_94", small=False))
     assert fastcnn_94.batch_size == 1024 != plain.batch_size
+
+
+def test_the_two_gpu_recipe_is_the_one_gpu_recipe_at_twice_the_batch_with_its_own_lr_and_epochs():
+    one = OmegaConf.to_container(compose_config("perf=fast", "recipe=resnet18_94", small=False))
+    two = OmegaConf.to_container(compose_config("perf=fast", "recipe=resnet18_94_2gpu", small=False))
+
+    def flat(tree: dict, prefix: str = "") -> dict:
+        items = {}
+        for key, value in tree.items():
+            items.update(flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {prefix + key: value})
+        return items
+
+    changed = {key: value for key, value in flat(two).items() if flat(one)[key] != value}
+    assert changed == {
+        "ddp": True,
+        "devices": 2,
+        "epochs": 28,
+        "optim.lr": 0.075,
+        "eval.from_epoch": 25,
+    }
+    assert flat(one)["batch_size"] == flat(two)["batch_size"] == 512  # per GPU: 1024 in all
 
 
 def test_tta_averages_the_logits_of_the_views():

@@ -18,7 +18,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from trainer import parallel_jobs, process_exit, run_lock, sweep_summary
+from trainer import bytecode, parallel_jobs, process_exit, run_lock, sweep_summary
 from trainer.cli_checks import CONF_DIR, check_command_line, split_command_line
 from trainer.cli_help import register_help
 from trainer.config import TrainerError, register_schema
@@ -135,7 +135,9 @@ def end_of_sweep(code: int | str | None) -> None:
 
 def cli() -> None:
     """`python -m trainer` and the `trainer` command: main, then the process ends as soon as
-    everything is written (trainer/process_exit.py)."""
+    everything is written (trainer/process_exit.py). Before torch's import: its bytecode
+    cached where its install has none (trainer/bytecode.py)."""
+    bytecode.cache_bytecode()
     process_exit.run(main)
 
 

@@ -31,7 +31,7 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
-from trainer import process_exit
+from trainer import bytecode, process_exit
 from trainer.cli_checks import check_composition
 from trainer.config import ConfigError, register_schema
 from trainer.report.jobs import parse_override
@@ -243,7 +243,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def cli() -> None:
     """`python -m trainer.tune` and `trainer-tune`: main, then the process ends as soon as
-    tuned.yaml and its notes are written (trainer/process_exit.py)."""
+    tuned.yaml and its notes are written (trainer/process_exit.py); torch's bytecode cached
+    where its install has none (trainer/bytecode.py)."""
+    bytecode.cache_bytecode()
     process_exit.run(main)
 
 
