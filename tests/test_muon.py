@@ -4,6 +4,7 @@ layout), SGD the rest, as one optimizer that schedulers, checkpoints and resumes
 from __future__ import annotations
 
 import signal
+from dataclasses import replace
 
 import pytest
 import torch
@@ -85,6 +86,29 @@ def test_channels_last_weights_take_the_same_steps():
     assert last[0].weight.is_contiguous(memory_format=torch.channels_last)
     for (name, expected), trained in zip(plain.named_parameters(), last.parameters()):
         torch.testing.assert_close(trained, expected, atol=2e-3, rtol=0, msg=name)
+
+
+def test_fixed_norm_rescales_each_convolution_weight_before_muons_step():
+    """optim.muon_fixed_norm: the step is Muon's, taken from each weight rescaled to a Frobenius
+    norm of sqrt(output channels); the gradient is the one the unscaled weights gave."""
+    net, reference = small_net(), small_net()
+    train_steps(net, build_optimizer(replace(MUON, muon_fixed_norm=True), net, {}, lr=0.1), steps=1)
+
+    plain = build_optimizer(MUON, reference, {}, lr=0.1)
+    torch.manual_seed(1)
+    nn.functional.cross_entropy(reference(torch.randn(4, 3, 8, 8)), torch.arange(4)).backward()
+    with torch.no_grad():
+        for conv in (module for module in reference if isinstance(module, nn.Conv2d)):
+            conv.weight.mul_(len(conv.weight) ** 0.5 / conv.weight.norm())
+    plain.step()
+    for (name, trained), expected in zip(net.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(trained, expected, msg=name)
+
+    still = small_net()  # at muon_lr 0 only the rescale shows
+    rescale_only = replace(MUON, muon_lr=0.0, muon_fixed_norm=True)
+    train_steps(still, build_optimizer(rescale_only, still, {}, lr=0.1), steps=1)
+    for conv in (module for module in still if isinstance(module, nn.Conv2d)):
+        assert conv.weight.norm().item() ** 2 == pytest.approx(len(conv.weight), rel=1e-5)
 
 
 def test_schedulers_set_both_optimizers_lr_and_a_checkpoint_round_trips():

@@ -97,6 +97,10 @@ class OptimConfig:
     muon_lr: float = 0.02
     muon_momentum: float = 0.95
     muon_weight_decay: float = 0.0
+    # muon: before each step every convolution weight is rescaled to a Frobenius norm of
+    # sqrt(its output channels); behind BatchNorm this changes no output, and keeps each step's
+    # size relative to the weight the same through the run (the weights' norms otherwise grow)
+    muon_fixed_norm: bool = False
     schedule: Schedule = Schedule.onecycle
     warmup_frac: float = 0.2  # onecycle, linear: fraction of the steps spent rising to lr
     lr_start_frac: float = 0.2  # linear: the first step's lr, as a fraction of the peak

@@ -17,6 +17,7 @@ scaling (trainer/optim.py), when it steps (trainer/loop.py).
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 
 import torch
@@ -49,7 +50,10 @@ class MuonWithSgd(torch.optim.Optimizer):
     """One optimizer over two: `sgd` for its groups, `muon` for the convolution weights. Its
     param_groups are theirs (the same dicts), so a scheduler's lr and momentum reach both."""
 
-    def __init__(self, sgd: torch.optim.SGD, muon_groups: list[dict], muon_settings: dict):
+    def __init__(
+        self, sgd: torch.optim.SGD, muon_groups: list[dict], muon_settings: dict, fixed_norm: bool = False
+    ):
+        self.fixed_norm = fixed_norm
         self.weights = [group.pop("params") for group in muon_groups]
         self.aliases = [[matrix_alias(weight) for weight in weights] for weights in self.weights]
         groups = [{**group, "params": aliases} for group, aliases in zip(muon_groups, self.aliases)]
@@ -86,9 +90,23 @@ class MuonWithSgd(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         loss = self.sgd.step(closure)
+        if self.fixed_norm:
+            self.rescale_weights()
         with self.muon_on_aliases():
             self.muon.step()
         return loss
+
+    def rescale_weights(self) -> None:
+        """optim.muon_fixed_norm: each weight Muon is about to step, scaled to a Frobenius norm of
+        sqrt(output channels) (three multi-tensor kernels for all of them)."""
+        weights = [weight for group in self.weights for weight in group if weight.grad is not None]
+        if not weights:
+            return
+        scales = torch._foreach_norm(weights)
+        torch._foreach_clamp_min_(scales, torch.finfo(weights[0].dtype).tiny)
+        torch._foreach_reciprocal_(scales)
+        torch._foreach_mul_(scales, [math.sqrt(len(weight)) for weight in weights])
+        torch._foreach_mul_(weights, scales)
 
     def state_dict(self) -> dict:
         with self.muon_on_aliases():
@@ -131,4 +149,4 @@ def build_muon_with_sgd(
         "nesterov": True,
         "weight_decay": cfg.muon_weight_decay,
     }
-    return MuonWithSgd(sgd, muon_groups, settings)
+    return MuonWithSgd(sgd, muon_groups, settings, fixed_norm=cfg.muon_fixed_norm)
