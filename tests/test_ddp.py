@@ -267,6 +267,19 @@ def test_a_stop_that_finds_the_ranks_done_keeps_their_record(tmp_path, status):
         assert run.launched_ranks(launch) == record and run.status == status
 
 
+def test_a_record_from_before_the_launch_is_not_taken_for_the_ranks(tmp_path):
+    """A metrics.json already there (an earlier attempt's) that the ranks did not rewrite leaves
+    the stop an error, however close to the launch it was written."""
+    run = Run(to_train_config(compose_config(*DDP)), tmp_path, [], Progress())
+    (tmp_path / "metrics.json").write_text(json.dumps({"status": "completed", "steps": 48}))
+
+    def launch() -> dict:
+        raise LaunchStopped("the ranks stopped before writing anything")
+
+    with pytest.raises(LaunchStopped):
+        run.launched_ranks(launch)
+
+
 def test_ddp_resume_after_a_stop_matches_the_uninterrupted_run(tmp_path, uninterrupted):
     stopped = tmp_path / "stopped"
     launcher = start_and_wait_for_epoch_one(THREE_EPOCHS, stopped)

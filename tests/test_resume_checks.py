@@ -206,6 +206,7 @@ APPLIED_SETTINGS = (  # read afresh by the resumed run: a change applies, and is
     "data.low_res",
     "data.low_res_epochs",
     "optim.label_smoothing",
+    "optim.muon_fixed_norm",  # read from the config when the optimizer is built, not saved
     "eval.tta",
     "eval.from_epoch",
     "eval.tta_unsure",

@@ -49,10 +49,22 @@ def shell_override(key: str, value: object) -> str:
     return f'"{override}"' if not set('$`"\\!') & set(override) else shlex.quote(override)
 
 
-def read_metrics(run_dir: Path, since: float | None = None) -> dict:
-    """A run folder's metrics.json ({} when it has none, or none written after time `since`)."""
+def metrics_version(run_dir: Path) -> tuple[int, int, int] | None:
+    """What tells one write of a run's metrics.json from another (each is a new file renamed into
+    place): its inode, mtime in ns and size; None while there is none. Not a comparison with the
+    clock, whose reading can run ahead of a file system's coarser timestamps."""
+    try:
+        stat = (Path(run_dir) / METRICS).stat()
+    except OSError:
+        return None
+    return stat.st_ino, stat.st_mtime_ns, stat.st_size
+
+
+def read_metrics(run_dir: Path, unless: tuple[int, int, int] | None = None) -> dict:
+    """A run folder's metrics.json ({} when it has none, or when it is still the write that
+    metrics_version() called `unless`)."""
     path = Path(run_dir) / METRICS
-    if not path.is_file() or (since is not None and path.stat().st_mtime < since):
+    if not path.is_file() or (unless is not None and metrics_version(run_dir) == unless):
         return {}
     return json.loads(path.read_text())
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
-import time
 from collections.abc import Callable, Iterator
 from datetime import datetime
 from pathlib import Path
@@ -42,6 +41,7 @@ from trainer.logging import (
     METRICS,
     RunLog,
     SilentRunLog,
+    metrics_version,
     path_in,
     read_metrics,
     shell_override,
@@ -109,18 +109,18 @@ class Run:
     def launched_ranks(self, launch: Callable[[], dict]) -> dict:
         """What launch() returns: rank 0's metrics, also when the ranks stopped as asked; when a
         rank failed, rank 0's record is kept for this process's failure record."""
-        launched = time.time()
+        before = metrics_version(self.run_dir)  # a record from before the launch is not the ranks'
         try:
             metrics = launch()
         except distributed.LaunchStopped:
             # Rank 0's record, written as it stopped and saved; or as it finished, when the stop
             # came after the last step (the ranks agree on a stop only between steps): the
             # completed run stands, and its record is not overwritten by a failure.
-            metrics = read_metrics(self.run_dir, since=launched)
+            metrics = read_metrics(self.run_dir, unless=before)
             if metrics.get("status") not in ("interrupted", "completed"):
                 raise
         except distributed.WorkerFailed:
-            self.ranks_record = read_metrics(self.run_dir, since=launched)
+            self.ranks_record = read_metrics(self.run_dir, unless=before)
             raise
         self.status = metrics["status"]
         return metrics
