@@ -12,9 +12,10 @@ from conftest import compose_config
 from torch import nn
 
 from trainer import Trainer
-from trainer.config import ConfigError, OptimConfig, OptimizerName, TrainerError
+from trainer.config import ConfigError, OptimConfig, OptimizerName, TrainerError, to_train_config
 from trainer.muon import MuonWithSgd
 from trainer.optim import build_optimizer, build_scheduler
+from trainer.perf import optimizer_compiler
 
 MUON = OptimConfig(name=OptimizerName.muon, lr=0.1, momentum=0.9, muon_lr=0.05, muon_momentum=0.9)
 
@@ -43,15 +44,17 @@ def train_steps(net: nn.Module, optimizer: torch.optim.Optimizer, steps: int = 3
         optimizer.zero_grad()
 
 
-def test_the_convolutions_take_torchs_muon_step_and_the_rest_sgds():
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_the_convolutions_take_torchs_muon_step_and_the_rest_sgds(weight_decay):
+    """The Muon step written out in trainer/muon.py against torch.optim.Muon itself."""
     net, reference = small_net(), small_net()
-    optimizer = build_optimizer(MUON, net, {}, lr=0.1)
+    optimizer = build_optimizer(replace(MUON, muon_weight_decay=weight_decay), net, {}, lr=0.1)
     assert isinstance(optimizer, MuonWithSgd)
     train_steps(net, optimizer)
     # The same steps by hand: each conv weight as a (out, fan-in) parameter under torch.optim.Muon
     convs = [module for module in reference if isinstance(module, nn.Conv2d)]
     matrices = [nn.Parameter(conv.weight.detach().reshape(len(conv.weight), -1).clone()) for conv in convs]
-    muon = torch.optim.Muon(matrices, lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.0)
+    muon = torch.optim.Muon(matrices, lr=0.05, momentum=0.9, nesterov=True, weight_decay=weight_decay)
     others = [
         param
         for name, param in reference.named_parameters()
@@ -73,7 +76,7 @@ def test_the_convolutions_take_torchs_muon_step_and_the_rest_sgds():
 
     train_steps(reference, Both())
     for (name, trained), expected in zip(net.named_parameters(), reference.parameters()):
-        torch.testing.assert_close(trained, expected, msg=name)
+        torch.testing.assert_close(trained, expected, rtol=0, atol=0, msg=name)  # op for op
     assert not torch.equal(net[0].weight, small_net()[0].weight)
 
 
@@ -109,6 +112,50 @@ def test_fixed_norm_rescales_each_convolution_weight_before_muons_step():
     train_steps(still, build_optimizer(rescale_only, still, {}, lr=0.1), steps=1)
     for conv in (module for module in still if isinstance(module, nn.Conv2d)):
         assert conv.weight.norm().item() ** 2 == pytest.approx(len(conv.weight), rel=1e-5)
+
+
+def test_compile_true_compiles_muons_arithmetic_and_the_steps_stay_the_same():
+    """compile=true hands the optimizer torch.compile (trainer/perf/model.py); the Muon part
+    runs its whole arithmetic through what it was given, once per group and step."""
+    assert optimizer_compiler(to_train_config(compose_config("compile=false")), torch.device("cpu")) is None
+    compile_on = to_train_config(compose_config("compile=true", "compile_mode=default"))
+    assert callable(optimizer_compiler(compile_on, torch.device("cpu")))
+
+    calls = []
+
+    def recording(function):
+        def wrapped(*args):
+            calls.append(len(args[0]))  # the group's gradients, all in one call
+            return function(*args)
+
+        return wrapped
+
+    net, reference = small_net(), small_net()
+    train_steps(net, build_optimizer(MUON, net, {}, lr=0.1, compiler=recording))
+    train_steps(reference, build_optimizer(MUON, reference, {}, lr=0.1))
+    assert calls == [2, 2, 2]  # both convolutions, each of the 3 steps
+    for (name, trained), expected in zip(net.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(trained, expected, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="reduce-overhead's CUDA graphs: needs a CUDA GPU")
+def test_the_compiled_muon_step_on_a_gpu_matches_the_eager_one():
+    cfg = to_train_config(compose_config("compile=true", "compile_mode=reduce_overhead"))
+    compiler = optimizer_compiler(cfg, torch.device("cuda"))
+    nets = [small_net().cuda(), small_net().cuda()]
+    optimizers = [
+        build_optimizer(MUON, nets[0], {}, lr=0.1, compiler=compiler),
+        build_optimizer(MUON, nets[1], {}, lr=0.1),
+    ]
+    for net, optimizer in zip(nets, optimizers):
+        torch.manual_seed(1)
+        for _ in range(5):
+            images = torch.randn(4, 3, 8, 8, device="cuda")
+            nn.functional.cross_entropy(net(images), torch.arange(4, device="cuda")).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    for (name, compiled), eager in zip(nets[0].named_parameters(), nets[1].parameters()):
+        torch.testing.assert_close(compiled, eager, atol=2e-3, rtol=0, msg=name)
 
 
 def test_schedulers_set_both_optimizers_lr_and_a_checkpoint_round_trips():

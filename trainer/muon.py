@@ -1,6 +1,13 @@
 """optim=muon: torch.optim.Muon for the convolution weights, SGD (optim.lr, momentum, nesterov,
 weight_decay, as optim=sgd) for every other parameter, stepped as one optimizer.
 
+Muon's arithmetic is written out here (`orthogonalized`), op for op as torch.optim.Muon's
+step computes it, because torch's step runs it weight by weight in eager mode: about 15 small
+kernels a weight, 1.8 ms a step for the fast CNN on an H200 (191k img/s against SGD's 284k).
+As one side-effect-free function over all the weights, `compile=true` compiles it with the
+model's mode (reduce-overhead: one CUDA graph replay). torch.optim.Muon keeps the parameter
+groups, the momentum buffers (its state) and the checkpoints.
+
 Why by hand: torch.optim.Muon takes 2-D parameters only, and a convolution's weight is 4-D.
 Muon orthogonalizes each weight's update as a matrix of output channels x fan-in. Here each
 convolution weight gets a 2-D alias over the same memory, in the order its elements lie in
@@ -18,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -46,14 +53,70 @@ def as_matrix(grad: torch.Tensor, weight: torch.Tensor, alias: nn.Parameter) -> 
     return grad.as_strided(alias.shape, alias.stride())
 
 
+def newton_schulz(matrix: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float):
+    """Muon's quintic Newton-Schulz iteration in bf16, as torch.optim.Muon runs it: the matrix
+    (wide side last) scaled to a norm of at most 1, then `steps` rounds of X <- aX + (bA + cA^2)X
+    with A = XX^T. Returns about U V^T of the matrix's SVD, in bf16."""
+    a, b, c = coefficients
+    x = matrix.bfloat16()
+    transposed = x.size(0) > x.size(1)
+    if transposed:
+        x = x.T
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if transposed else x
+
+
+def orthogonalized(
+    grads: list[torch.Tensor],
+    buffers: list[torch.Tensor],
+    momentum: float,
+    nesterov: bool,
+    coefficients: tuple[float, float, float],
+    steps: int,
+    eps: float,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """One Muon step's arithmetic for a group's weights, without side effects (so that it
+    compiles to one graph): the new momentum buffers, and each weight's orthogonalized update
+    in the gradient's dtype."""
+    new_buffers = [buffer.lerp(grad, 1 - momentum) for grad, buffer in zip(grads, buffers)]
+    directions = [
+        grad.lerp(buffer, momentum) if nesterov else buffer for grad, buffer in zip(grads, new_buffers)
+    ]
+    updates = [
+        newton_schulz(direction, coefficients, steps, eps).to(grad.dtype)
+        for grad, direction in zip(grads, directions)
+    ]
+    return new_buffers, updates
+
+
+def adjusted_lr(lr: float, rule: str | None, shape: torch.Size) -> float:
+    """torch.optim.Muon's adjust_lr_fn: "original" (its default) scales by sqrt(max(1, rows /
+    columns)), "match_rms_adamw" by 0.2 sqrt(max(rows, columns))."""
+    rows, columns = shape[:2]
+    if rule in (None, "original"):
+        return lr * math.sqrt(max(1.0, rows / columns))
+    if rule == "match_rms_adamw":
+        return lr * 0.2 * math.sqrt(max(rows, columns))
+    return lr
+
+
 class MuonWithSgd(torch.optim.Optimizer):
     """One optimizer over two: `sgd` for its groups, `muon` for the convolution weights. Its
     param_groups are theirs (the same dicts), so a scheduler's lr and momentum reach both."""
 
     def __init__(
-        self, sgd: torch.optim.SGD, muon_groups: list[dict], muon_settings: dict, fixed_norm: bool = False
+        self,
+        sgd: torch.optim.SGD,
+        muon_groups: list[dict],
+        muon_settings: dict,
+        fixed_norm: bool = False,
+        compiler: Callable[[Callable], Callable] | None = None,
     ):
         self.fixed_norm = fixed_norm
+        self.orthogonalized = compiler(orthogonalized) if compiler else orthogonalized
         self.weights = [group.pop("params") for group in muon_groups]
         self.aliases = [[matrix_alias(weight) for weight in weights] for weights in self.weights]
         groups = [{**group, "params": aliases} for group, aliases in zip(muon_groups, self.aliases)]
@@ -93,8 +156,45 @@ class MuonWithSgd(torch.optim.Optimizer):
         if self.fixed_norm:
             self.rescale_weights()
         with self.muon_on_aliases():
-            self.muon.step()
+            for group in self.muon.param_groups:
+                self.step_group(group)
         return loss
+
+    def step_group(self, group: dict) -> None:
+        """torch.optim.Muon's step for one group (its state, its settings), the arithmetic in
+        one call of `orthogonalized`, the weight decay and the update as multi-tensor ops."""
+        aliases = [alias for alias in group["params"] if alias.grad is not None]
+        if not aliases:
+            return
+        grads = [alias.grad for alias in aliases]
+        buffers = [self.momentum_buffer(alias) for alias in aliases]
+        new_buffers, updates = self.orthogonalized(
+            grads,
+            buffers,
+            group["momentum"],
+            group["nesterov"],
+            tuple(group["ns_coefficients"]),
+            group["ns_steps"],
+            group["eps"],
+        )
+        torch._foreach_copy_(buffers, new_buffers)
+        lr, weight_decay = group["lr"], group["weight_decay"]
+        if weight_decay:
+            torch._foreach_mul_(aliases, 1 - lr * weight_decay)
+        by_scale: dict[float, tuple[list, list]] = {}
+        for alias, update in zip(aliases, updates):
+            scale = adjusted_lr(lr, group.get("adjust_lr_fn"), alias.shape)
+            by_scale.setdefault(scale, ([], []))
+            by_scale[scale][0].append(alias)
+            by_scale[scale][1].append(update)
+        for scale, (weights, steps) in by_scale.items():
+            torch._foreach_add_(weights, steps, alpha=-scale)
+
+    def momentum_buffer(self, alias: nn.Parameter) -> torch.Tensor:
+        state = self.muon.state[alias]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(alias.grad)
+        return state["momentum_buffer"]
 
     def rescale_weights(self) -> None:
         """optim.muon_fixed_norm: each weight Muon is about to step, scaled to a Frobenius norm of
@@ -120,7 +220,12 @@ class MuonWithSgd(torch.optim.Optimizer):
 
 
 def build_muon_with_sgd(
-    cfg: OptimConfig, model: nn.Module, groups: list[dict], lr: float, extra: dict
+    cfg: OptimConfig,
+    model: nn.Module,
+    groups: list[dict],
+    lr: float,
+    extra: dict,
+    compiler: Callable[[Callable], Callable] | None = None,
 ) -> MuonWithSgd:
     """`groups`: the parameter groups optim=sgd would get; their convolution weights move to Muon
     at optim.muon_lr (not scaled with the batch: Muon's update has a set size whatever the batch)."""
@@ -149,4 +254,4 @@ def build_muon_with_sgd(
         "nesterov": True,
         "weight_decay": cfg.muon_weight_decay,
     }
-    return MuonWithSgd(sgd, muon_groups, settings, fixed_norm=cfg.muon_fixed_norm)
+    return MuonWithSgd(sgd, muon_groups, settings, fixed_norm=cfg.muon_fixed_norm, compiler=compiler)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -77,9 +78,16 @@ def parameter_groups(cfg: OptimConfig, model: nn.Module, lr: float) -> list[dict
     ]
 
 
-def build_optimizer(cfg: OptimConfig, model: nn.Module, extra: dict, lr: float) -> torch.optim.Optimizer:
+def build_optimizer(
+    cfg: OptimConfig,
+    model: nn.Module,
+    extra: dict,
+    lr: float,
+    compiler: Callable[[Callable], Callable] | None = None,
+) -> torch.optim.Optimizer:
     """`lr`: the peak lr for this run's batch (`peak_lr`); `extra` carries perf toggles (fused
-    kernels) decided in trainer/perf/."""
+    kernels) and `compiler` compile=true's torch.compile for optim=muon's arithmetic, both
+    decided in trainer/perf/."""
     if lr == 0:
         log.warning("optim.lr=0: the weights will not change; set e.g. optim.lr=0.05 to train")
     elif lr < VANISHING_SCALE * cfg.lr:
@@ -102,7 +110,7 @@ def build_optimizer(cfg: OptimConfig, model: nn.Module, extra: dict, lr: float) 
         )
     params = parameter_groups(cfg, model, lr)
     if cfg.name is OptimizerName.muon:
-        return build_muon_with_sgd(cfg, model, params, lr, extra)
+        return build_muon_with_sgd(cfg, model, params, lr, extra, compiler)
     if cfg.name is OptimizerName.adamw:
         return torch.optim.AdamW(
             params, lr=lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay, **extra

@@ -52,7 +52,13 @@ from trainer.perf.inputs import (
     leave_stops_to_the_main_process,
     worker_count,
 )
-from trainer.perf.model import data_parallel, memory_format, prepare_model, splits_over_gpus
+from trainer.perf.model import (
+    data_parallel,
+    memory_format,
+    optimizer_compiler,
+    prepare_model,
+    splits_over_gpus,
+)
 from trainer.perf.notes import at_default, cannot_act, override_value, say_once
 from trainer.perf.profiler import Profiler
 from trainer.perf.step_graph import StepGraph, step_graph_acts
@@ -85,6 +91,7 @@ __all__ = [
     "leave_stops_to_the_main_process",
     "memory_format",
     "non_finite_remedy",
+    "optimizer_compiler",
     "optimizer_kwargs",
     "override_value",
     "prepare_model",

@@ -103,6 +103,16 @@ def prepare_model(
     return forward
 
 
+def optimizer_compiler(cfg: TrainConfig, device: torch.device) -> Callable[[Callable], Callable] | None:
+    """compile=true also compiles the arithmetic an optimizer of ours runs outside torch's own
+    kernels (optim=muon's orthogonalization), in the model's mode. It runs after the step (and
+    after step_graph's capture), so reduce-overhead keeps its CUDA graphs there."""
+    if not cfg.compile:
+        return None
+    mode = compile_mode(cfg, device)
+    return lambda function: torch.compile(function, mode=mode, dynamic=False)
+
+
 def fresh_compile() -> None:
     """Before each job of a sweep that runs in a process other jobs ran in (the basic launcher's
     one process, a parallel sweep's reused workers): forget what they compiled. Each job then
