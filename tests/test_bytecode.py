@@ -15,9 +15,10 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 PROBE = """
 import json, os, sys
-from trainer.bytecode import cache_bytecode
+from trainer.bytecode import cache_bytecode, first_use_note
 folder = cache_bytecode("slowpkg")
 import slowpkg
+print(first_use_note() or "", file=sys.stderr, end="")
 print(json.dumps({"folder": folder and str(folder), "prefix": sys.pycache_prefix,
                   "inherited": os.environ.get("PYTHONPYCACHEPREFIX")}))
 """

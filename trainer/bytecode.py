@@ -6,9 +6,9 @@ site-packages) compiles torch's 2,000-odd modules from source at every start: 7.
 21-second run on an H200 host, 5.5 s on a 2-core CPU. CPython can keep that bytecode in a
 folder of its own (PYTHONPYCACHEPREFIX, `sys.pycache_prefix`); this module points it there,
 under the user's cache folder, only in that case, and only when the user has not chosen a
-prefix. The setting travels in the environment to every process the run starts (DDP ranks,
-compile workers, a parallel sweep's jobs). Nothing in the standard library or torch does
-this for a program; so it is done here, in CPython's own terms.
+prefix; the run's log says so the first time. The setting travels in the environment to every
+process the run starts (DDP ranks, compile workers, a parallel sweep's jobs). Nothing in the
+standard library or torch does this for a program; so it is done here, in CPython's terms.
 
 Owns: whether this process caches bytecode, and where. Must not touch: anything after the
 start (it runs before torch is imported).
@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 PREFIX_VARIABLE = "PYTHONPYCACHEPREFIX"
+_first_use: str | None = None  # the note for the run's log, when this process made the cache folder
 
 
 def cache_folder() -> Path:
@@ -83,10 +84,15 @@ def cache_bytecode(package: str = "torch") -> Path | None:
     os.environ[PREFIX_VARIABLE] = str(folder)
     os.environ.pop("PYTHONDONTWRITEBYTECODE", None)  # the processes it starts write there too
     if first:
-        print(
-            f"trainer: {package} was installed without bytecode and this Python writes none beside "
-            f"it: keeping it in {folder} saves seconds at every start ({PREFIX_VARIABLE}=<folder> "
-            "picks another place)",
-            file=sys.stderr,
+        global _first_use
+        _first_use = (
+            f"{package} was installed without bytecode and this Python writes none beside it: "
+            f"Python's bytecode now goes to {folder}, which saves seconds at every later start "
+            f"({PREFIX_VARIABLE}=<folder> picks another place)"
         )
     return folder
+
+
+def first_use_note() -> str | None:
+    """For the run's log, once: that this process made the cache folder, and why."""
+    return _first_use
