@@ -7,9 +7,13 @@ each remove one suspect, timed from the outside.
 Each variant runs --repeats times (the first run of the command also fills the compile cache,
 so a warm-up run goes first). Printed per variant, as medians in seconds from the process start:
 Hydra's config written, metrics.json written, the process gone, and the exit (the gap between
-the last two). Variants:
+the last two); from metrics.json, startup_s (the process before the run's set-up), setup_s
+(the assembly), compile_s and the training. Variants:
 
   plain           the trial as the tuner runs it
+  no-bytecode     every start compiles Python's bytecode anew (a bytecode prefix Python may not
+                  write to): what an install without bytecode costs where trainer/bytecode.py
+                  does not act
   compile-threads TORCHINDUCTOR_COMPILE_THREADS=1: no inductor compile-worker pool to shut down
   os-exit         os._exit once main() returns: no atexit handlers, no interpreter teardown
                   (what is left is the kernel's and the driver's part)
@@ -46,6 +50,8 @@ TRIAL = ["epochs=3", "eval_every=3", "eval.tta=none"]
 OS_EXIT = (
     "import os, sys\n"
     "sys.argv = ['trainer', *sys.argv[1:]]\n"
+    "from trainer import bytecode\n"
+    "bytecode.cache_bytecode()\n"
     "from trainer.__main__ import main\n"
     "code = 0\n"
     "try:\n"
@@ -55,8 +61,11 @@ OS_EXIT = (
     "sys.stdout.flush(); sys.stderr.flush()\n"
     "os._exit(code)\n"
 )
+NO_BYTECODE = {"PYTHONPYCACHEPREFIX": "{out}/no-bytecode", "PYTHONDONTWRITEBYTECODE": "1"}
 VARIANTS = {  # environment, extra overrides, how the trial starts and ends
     "plain": ({}, [], "plain"),
+    # every start compiles torch's bytecode anew: a prefix of its own that Python may not write to
+    "no-bytecode": (NO_BYTECODE, [], "plain"),
     "compile-threads": ({"TORCHINDUCTOR_COMPILE_THREADS": "1"}, [], "plain"),
     "os-exit": ({}, [], "os-exit"),
     "no-graphs": ({}, ["compile_mode=default"], "plain"),
@@ -75,9 +84,10 @@ def timed_run(overrides: list[str], folder: Path, env: dict, start_end: str) -> 
         plain = start_end != "os-exit"
         head = [sys.executable, *(["-m", "trainer"] if plain else ["-c", OS_EXIT])]
         with open(folder.with_suffix(".log"), "w") as log:
+            variables = {name: value.replace("{out}", str(folder.parent)) for name, value in env.items()}
             code = subprocess.call(
                 [*head, *overrides, f"hydra.run.dir={folder}"],
-                env={**os.environ, **env},
+                env={**os.environ, **variables},
                 stdout=log,
                 stderr=subprocess.STDOUT,
             )
@@ -92,6 +102,8 @@ def timed_run(overrides: list[str], folder: Path, env: dict, start_end: str) -> 
         "metrics": written,
         "gone": gone,
         "exit": gone - written,
+        "startup": numbers.get("startup_s") or 0.0,
+        "setup": numbers.get("setup_s") or 0.0,
         "compile": numbers.get("compile_s") or 0.0,
         "train": numbers.get("train_time_s") or 0.0,
         "img/s": statistics.median(epoch["img_per_s"] for epoch in timed_epochs(numbers["history"])),
@@ -121,7 +133,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     overrides = [*args.overrides, *TRIAL]
     print("warm-up run (fills the compile cache):", timed_run(overrides, args.out / "warm-up", {}, "plain"))
-    columns = ("config", "metrics", "gone", "exit", "compile", "train", "img/s")
+    columns = ("config", "metrics", "gone", "exit", "startup", "setup", "compile", "train", "img/s")
     print(f"| variant | runs | {' | '.join(columns)} |\n| --- | ---: |{' ---: |' * len(columns)}")
     for name in chosen:
         env, extra, start_end = VARIANTS[name]
