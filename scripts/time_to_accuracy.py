@@ -5,8 +5,9 @@
 
 A row is NAME=OVERRIDES. Every run gets data=imagefolder data.root=... data.decode_cache=true
 and its seed; results are appended to --out (JSON lines) as they come, so a run cut short keeps
-what finished. The table gives, per row: the seeds' mean, std and min test accuracy (with TTA
-where the run uses it), epochs to the target, time to target (training plus the evaluations it
+what finished, each with the accuracy of every evaluated epoch ("evaluated", also printed).
+The table gives, per row: the seeds' mean, std and min test accuracy (with TTA where the run
+uses it), epochs to the target, time to target (training plus the evaluations it
 needed, compilation excluded), compile_s and wall_s (process start to exit), as medians.
 """
 
@@ -32,6 +33,16 @@ def run_once(overrides: list[str], seed: int, data_root: str, folder: Path) -> d
         metrics["error_tail"] = (trial.stdout + trial.stderr)[-2000:]
     metrics["process_s"] = trial.process_s
     return metrics
+
+
+def evaluated(history: list[dict]) -> list[tuple[int, float]]:
+    """(epoch, accuracy with TTA where the run uses it) of each evaluated epoch: where a row
+    evaluated from an earlier epoch than its target needs, the epoch it could stop at."""
+    return [
+        (entry["epoch"], entry.get("test_acc_tta") or entry["test_acc"])
+        for entry in history
+        if entry.get("test_acc") is not None
+    ]
 
 
 def accuracy(metrics: dict) -> float | None:
@@ -82,11 +93,13 @@ def main() -> None:
         metrics = run_once(overrides.split(), seed, args.data_root, workdir / f"{name}-{seed}")
         metrics.update(row=name, seed=seed)
         results[name].append(metrics)
-        append_jsonl(Path(args.out), {k: v for k, v in metrics.items() if k != "history"})
+        metrics["evaluated"] = evaluated(metrics.pop("history", []))
+        append_jsonl(Path(args.out), metrics)
+        by_epoch = " ".join(f"{epoch}:{100 * acc:.2f}" for epoch, acc in metrics["evaluated"])
         print(
             f"{name} seed {seed}: {metrics.get('status')} acc {accuracy(metrics)} "
             f"ttt {metrics.get('time_to_target_s')} compile {metrics.get('compile_s')} "
-            f"wall {metrics.get('wall_s')} {metrics.get('error_tail', '')[-300:]}",
+            f"wall {metrics.get('wall_s')} by epoch {by_epoch} {metrics.get('error_tail', '')[-300:]}",
             flush=True,
         )
     print(
