@@ -175,7 +175,9 @@ def test_schedulers_set_both_optimizers_lr_and_a_checkpoint_round_trips():
 
 
 def test_a_run_trains_with_muon_and_resumes_exactly(tmp_path):
-    settings = ("optim=muon", "deterministic=true", "epochs=2")
+    """With every Muon setting off its default (the fixed norm, weight decay, momentum)."""
+    muon = ("optim.muon_fixed_norm=true", "optim.muon_weight_decay=0.01", "optim.muon_momentum=0.6")
+    settings = ("optim=muon", *muon, "deterministic=true", "epochs=2")
 
     class StopAfterFirstEpoch(Trainer):
         def evaluate(self) -> dict:
