@@ -35,7 +35,8 @@ def package(tmp_path) -> Path:
 
 def start(tmp_path: Path, *, writes_none: bool = True, prefix: str | None = None):
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPYCACHEPREFIX", "PYTHONDONTWRITEBYTECODE")}
-    env.update(PYTHONPATH=f"{tmp_path / 'site'}{os.pathsep}{REPO}", XDG_CACHE_HOME=str(tmp_path / "cache"))
+    path = [str(tmp_path / "site"), str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env.update(PYTHONPATH=os.pathsep.join(path), XDG_CACHE_HOME=str(tmp_path / "cache"))
     if writes_none:
         env["PYTHONDONTWRITEBYTECODE"] = "1"
     if prefix:

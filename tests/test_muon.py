@@ -155,7 +155,7 @@ def test_the_compiled_muon_step_on_a_gpu_matches_the_eager_one():
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     for (name, compiled), eager in zip(nets[0].named_parameters(), nets[1].parameters()):
-        torch.testing.assert_close(compiled, eager, atol=2e-3, rtol=0, msg=name)
+        torch.testing.assert_close(compiled, eager, atol=5e-3, rtol=0, msg=name)  # bf16, fused otherwise
 
 
 def test_schedulers_set_both_optimizers_lr_and_a_checkpoint_round_trips():
