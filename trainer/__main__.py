@@ -50,8 +50,9 @@ def run(
     from trainer.perf.model import fresh_compile
     from trainer.trainer import Trainer
 
-    if bytecode.first_use_note():
-        log.info("%s", bytecode.first_use_note())
+    note = bytecode.first_use_note()
+    if note:
+        log.info("%s", note)
 
     if sweep:
         fresh_compile()

@@ -94,5 +94,8 @@ def cache_bytecode(package: str = "torch") -> Path | None:
 
 
 def first_use_note() -> str | None:
-    """For the run's log, once: that this process made the cache folder, and why."""
-    return _first_use
+    """For the run's log, once (a sweep's later jobs get None): that this process made the
+    cache folder, and why."""
+    global _first_use
+    note, _first_use = _first_use, None
+    return note
