@@ -53,11 +53,8 @@ OS_EXIT = (
     "from trainer import bytecode\n"
     "bytecode.cache_bytecode()\n"
     "from trainer.__main__ import main\n"
-    "code = 0\n"
-    "try:\n"
-    "    main()\n"
-    "except SystemExit as stop:\n"
-    "    code = stop.code if isinstance(stop.code, int) else 1\n"
+    "from trainer.process_exit import exit_code_of\n"
+    "code = exit_code_of(main)\n"
     "sys.stdout.flush(); sys.stderr.flush()\n"
     "os._exit(code)\n"
 )
