@@ -183,12 +183,12 @@ class MuonWithSgd(torch.optim.Optimizer):
         lr, weight_decay = group["lr"], group["weight_decay"]
         if weight_decay:
             torch._foreach_mul_(aliases, 1 - lr * weight_decay)
-        by_scale: dict[float, tuple[list, list]] = {}
+        by_scale: dict[float, tuple[list, list]] = {}  # one multi-tensor add per lr scale
         for alias, update in zip(aliases, updates):
             scale = adjusted_lr(lr, group.get("adjust_lr_fn"), alias.shape)
-            by_scale.setdefault(scale, ([], []))
-            by_scale[scale][0].append(alias)
-            by_scale[scale][1].append(update)
+            weights, steps = by_scale.setdefault(scale, ([], []))
+            weights.append(alias)
+            steps.append(update)
         for scale, (weights, steps) in by_scale.items():
             torch._foreach_add_(weights, steps, alpha=-scale)
 
