@@ -138,9 +138,23 @@ def test_compile_true_compiles_muons_arithmetic_and_the_steps_stay_the_same():
         torch.testing.assert_close(trained, expected, rtol=0, atol=0, msg=name)
 
 
+@pytest.mark.parametrize(
+    ("model_mode", "step_mode"),
+    [("reduce_overhead", "default"), ("max_autotune", "max-autotune-no-cudagraphs"), ("default", "default")],
+)
+def test_the_muon_step_compiles_without_cuda_graphs_of_its_own(monkeypatch, model_mode, step_mode):
+    """Graphs of its own would overwrite the model's graph outputs the step still reads (a
+    RuntimeError on the GPU, "accessing tensor output of CUDAGraphs that has been overwritten")."""
+    modes = []
+    monkeypatch.setattr(torch, "compile", lambda function, mode, dynamic: modes.append(mode) or function)
+    settings = ("compile=true", f"compile_mode={model_mode}", "set_to_none=true")
+    optimizer_compiler(to_train_config(compose_config(*settings)), torch.device("cuda"))(len)
+    assert modes == [step_mode]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="reduce-overhead's CUDA graphs: needs a CUDA GPU")
 def test_the_compiled_muon_step_on_a_gpu_matches_the_eager_one():
-    cfg = to_train_config(compose_config("compile=true", "compile_mode=reduce_overhead"))
+    cfg = to_train_config(compose_config("compile=true", "compile_mode=reduce_overhead", "set_to_none=true"))
     compiler = optimizer_compiler(cfg, torch.device("cuda"))
     nets = [small_net().cuda(), small_net().cuda()]
     optimizers = [

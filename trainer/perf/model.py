@@ -105,11 +105,12 @@ def prepare_model(
 
 def optimizer_compiler(cfg: TrainConfig, device: torch.device) -> Callable[[Callable], Callable] | None:
     """compile=true also compiles the arithmetic an optimizer of ours runs outside torch's own
-    kernels (optim=muon's orthogonalization), in the model's mode. It runs after the step (and
-    after step_graph's capture), so reduce-overhead keeps its CUDA graphs there."""
+    kernels (optim=muon's orthogonalization), in the model's mode without CUDA graphs of its own:
+    graphs of its own would overwrite the outputs of the model's graphs, still in use by the step."""
     if not cfg.compile:
         return None
-    mode = compile_mode(cfg, device)
+    mode = CompileMode(compile_mode(cfg, device))
+    mode = WITHOUT_CUDA_GRAPHS.get(mode, mode).value
     return lambda function: torch.compile(function, mode=mode, dynamic=False)
 
 
