@@ -18,7 +18,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torch import nn
 
 from trainer import Trainer, tags
-from trainer.config import ConfigError, ExportFormat, FlipMode, TtaMode, to_train_config
+from trainer.config import ConfigError, ExportFormat, FlipMode, OptimizerName, TtaMode, to_train_config
 from trainer.data import Normalizer, synthetic_split
 from trainer.ema import WeightAverage, warmed_up_decay
 from trainer.evaluate import EVALUATION, evaluate_run, evaluated_weights, main
@@ -92,7 +92,8 @@ def test_recipe_presets_set_how_to_train_and_leave_speed_to_perf(recipe):
     # The batch the recipe was measured at wins over perf=fast's.
     assert cfg.batch_size == to_train_config(compose_config(f"recipe={recipe}", small=False)).batch_size
     fastcnn_94 = to_train_config(compose_config("perf=fast", "recipe=fastcnn_94", small=False))
-    assert fastcnn_94.batch_size == 1024 != plain.batch_size
+    assert fastcnn_94.batch_size == 2000 != plain.batch_size
+    assert fastcnn_94.optim.name is OptimizerName.muon and fastcnn_94.optim.muon_fixed_norm
 
 
 def test_the_two_gpu_recipe_is_the_one_gpu_recipe_at_twice_the_batch_with_its_own_lr_and_epochs():
