@@ -8,10 +8,13 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+import types
 
 from conftest import SMALL, cli_environment
 
+from trainer.perf import stop_compile_workers
 from trainer.process_exit import exit_code_of
 
 
@@ -69,3 +72,16 @@ def test_a_closed_stdout_or_a_ctrl_c_end_the_process_as_the_interpreter_would():
     # a run that stopped on a signal and says so with 130 keeps its code
     stopped = "import sys\nfrom trainer.process_exit import run\nrun(lambda: sys.exit(130))"
     assert subprocess.run([sys.executable, "-c", stopped], env=cli_environment()).returncode == 130
+
+
+def test_compile_workers_are_stopped_in_a_thread_the_exit_waits_for(monkeypatch):
+    stopped_in = []
+    async_compile = types.SimpleNamespace(
+        shutdown_compile_workers=lambda: stopped_in.append(threading.current_thread())
+    )
+    monkeypatch.setitem(sys.modules, "torch._inductor.async_compile", async_compile)
+    thread = stop_compile_workers()
+    thread.join()
+    assert stopped_in == [thread] and not thread.daemon
+    monkeypatch.delitem(sys.modules, "torch._inductor.async_compile")
+    assert stop_compile_workers() is None  # nothing compiled: no pool, no thread

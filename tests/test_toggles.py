@@ -241,16 +241,23 @@ def test_fused_optimizer(tmp_path):
     assert not built(tmp_path / "plain").optimizer.defaults.get("fused")
 
 
-def test_compile_really_compiles_and_says_what_the_warm_up_does(tmp_path, caplog):
+def test_compile_really_compiles_and_says_what_the_warm_up_does(tmp_path, caplog, monkeypatch):
+    """...and stops inductor's compile workers after the warm-up, beside the training, where
+    they would otherwise hold the process's exit."""
     from torch._dynamo.utils import counters
 
     caplog.set_level(logging.INFO)
     torch._dynamo.reset()
     counters.clear()
+    stopping, stop = [], perf.stop_compile_workers
+    monkeypatch.setattr(perf, "stop_compile_workers", lambda: stopping.append(stop()))
     trainer = built(tmp_path, "compile=true", "max_steps=2", "data.train_size=64", "data.test_size=32")
     assert isinstance(trainer.model, torch._dynamo.eval_frame.OptimizedModule)
     trainer.fit()
     assert counters["stats"]["unique_graphs"] >= 1
+    [thread] = stopping
+    thread.join()
+    assert not torch._inductor.async_compile._pool_set  # stopped (or, on a CPU, never started)
     torch._dynamo.reset()
     lines = caplog.messages
     assert any(line.startswith("compile=true on a CPU: compiling takes minutes") for line in lines)

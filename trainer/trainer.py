@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from trainer import checkpoint, distributed, loop, run_lock, timing
+from trainer import checkpoint, distributed, loop, perf, run_lock, timing
 from trainer.assembly import Parts, assemble, resolve_device
 from trainer.config import TrainConfig, TrainerError, to_train_config
 from trainer.console import configure_rank_logging
@@ -128,6 +128,7 @@ class Trainer:
         try:
             with self.run.training():
                 self.progress.compile_s += loop.warm_up(self.parts, self.progress.epoch, self.evaluate)
+                perf.stop_compile_workers()
                 started = time.perf_counter()
                 self.run.finish(loop.train(self.parts, self.progress, self.run, self.evaluate, started))
         finally:

@@ -58,6 +58,7 @@ from trainer.perf.model import (
     optimizer_compiler,
     prepare_model,
     splits_over_gpus,
+    stop_compile_workers,
 )
 from trainer.perf.notes import at_default, cannot_act, override_value, say_once
 from trainer.perf.profiler import Profiler
@@ -92,6 +93,7 @@ __all__ = [
     "memory_format",
     "non_finite_remedy",
     "optimizer_compiler",
+    "stop_compile_workers",
     "optimizer_kwargs",
     "override_value",
     "prepare_model",
