@@ -44,17 +44,20 @@ def train_steps(net: nn.Module, optimizer: torch.optim.Optimizer, steps: int = 3
         optimizer.zero_grad()
 
 
-@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
-def test_the_convolutions_take_torchs_muon_step_and_the_rest_sgds(weight_decay):
+@pytest.mark.parametrize(("weight_decay", "ns_steps"), [(0.0, 5), (0.1, 5), (0.0, 3)])
+def test_the_convolutions_take_torchs_muon_step_and_the_rest_sgds(weight_decay, ns_steps):
     """The Muon step written out in trainer/muon.py against torch.optim.Muon itself."""
     net, reference = small_net(), small_net()
-    optimizer = build_optimizer(replace(MUON, muon_weight_decay=weight_decay), net, {}, lr=0.1)
+    settings = replace(MUON, muon_weight_decay=weight_decay, muon_ns_steps=ns_steps)
+    optimizer = build_optimizer(settings, net, {}, lr=0.1)
     assert isinstance(optimizer, MuonWithSgd)
     train_steps(net, optimizer)
     # The same steps by hand: each conv weight as a (out, fan-in) parameter under torch.optim.Muon
     convs = [module for module in reference if isinstance(module, nn.Conv2d)]
     matrices = [nn.Parameter(conv.weight.detach().reshape(len(conv.weight), -1).clone()) for conv in convs]
-    muon = torch.optim.Muon(matrices, lr=0.05, momentum=0.9, nesterov=True, weight_decay=weight_decay)
+    muon = torch.optim.Muon(
+        matrices, lr=0.05, momentum=0.9, nesterov=True, weight_decay=weight_decay, ns_steps=ns_steps
+    )
     others = [
         param
         for name, param in reference.named_parameters()
@@ -78,6 +81,10 @@ def test_the_convolutions_take_torchs_muon_step_and_the_rest_sgds(weight_decay):
     for (name, trained), expected in zip(net.named_parameters(), reference.parameters()):
         torch.testing.assert_close(trained, expected, rtol=0, atol=0, msg=name)  # op for op
     assert not torch.equal(net[0].weight, small_net()[0].weight)
+    if ns_steps != 5:  # the setting took effect: torch's default of 5 steps to other weights
+        default = small_net()
+        train_steps(default, build_optimizer(replace(settings, muon_ns_steps=5), default, {}, lr=0.1))
+        assert not torch.equal(net[0].weight, default[0].weight)
 
 
 def test_channels_last_weights_take_the_same_steps():
@@ -217,6 +224,7 @@ def test_a_run_trains_with_muon_and_resumes_exactly(tmp_path):
         ("optim.muon_lr=-1", "optim.muon_lr must be finite and not negative, got -1.0"),
         ("optim.muon_momentum=1", "optim.muon_momentum must be in [0, 1), got 1.0"),
         ("optim.muon_weight_decay=-0.1", "optim.muon_weight_decay must be 0 or more"),
+        ("optim.muon_ns_steps=0", "optim.muon_ns_steps must be 1 or more, got 0"),
     ],
 )
 def test_bad_muon_settings_are_refused_in_one_line(override, fragment):

@@ -148,6 +148,7 @@ RESTORED_SETTINGS = (
     "optim.muon_lr",
     "optim.muon_momentum",
     "optim.muon_weight_decay",
+    "optim.muon_ns_steps",
     "model.sgd_lr",
     "model.zero_init_residual",
     "fused_optimizer",

@@ -97,6 +97,7 @@ class OptimConfig:
     muon_lr: float = 0.02
     muon_momentum: float = 0.95
     muon_weight_decay: float = 0.0
+    muon_ns_steps: int = 5  # muon: Newton-Schulz iterations that orthogonalize each update (torch's 5)
     # muon: before each step every convolution weight is rescaled to a Frobenius norm of
     # sqrt(its output channels); behind BatchNorm this changes no output, and keeps each step's
     # size relative to the weight the same through the run (the weights' norms otherwise grow)

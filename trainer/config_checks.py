@@ -78,6 +78,10 @@ def check_optim(cfg: OptimConfig) -> None:
             f"optim.muon_weight_decay must be 0 or more, got {cfg.muon_weight_decay}: "
             "set optim.muon_weight_decay=0"
         )
+    if cfg.muon_ns_steps < 1:
+        raise ConfigError(
+            f"optim.muon_ns_steps must be 1 or more, got {cfg.muon_ns_steps}: set optim.muon_ns_steps=5"
+        )
     if not 0.0 <= cfg.label_smoothing < 1.0:
         raise ConfigError(f"optim.label_smoothing must be in [0, 1), got {cfg.label_smoothing}")
     if not 0.0 < cfg.warmup_frac < 1.0:

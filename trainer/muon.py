@@ -255,5 +255,6 @@ def build_muon_with_sgd(
         "momentum": cfg.muon_momentum,
         "nesterov": True,
         "weight_decay": cfg.muon_weight_decay,
+        "ns_steps": cfg.muon_ns_steps,
     }
     return MuonWithSgd(sgd, muon_groups, settings, fixed_norm=cfg.muon_fixed_norm, compiler=compiler)
