@@ -399,6 +399,7 @@ def test_the_warm_up_puts_back_every_state_it_changed(tmp_path):
     assert metrics["steps"] == 4 and metrics["wall_s"] > metrics["train_time_s"]
     # the assembly and the warm-up are counted apart from each other, both inside wall_s
     assert 0 < metrics["setup_s"] < metrics["wall_s"] - metrics["compile_s"]
+    assert 0 < metrics["setup_data_s"] < metrics["setup_s"]  # the data, of the assembly
 
 
 def test_wall_seconds_count_the_process_for_its_first_run_and_the_job_for_a_later_one(monkeypatch):

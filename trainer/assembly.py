@@ -19,6 +19,7 @@ import logging
 import math
 import os
 import random
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -51,6 +52,7 @@ class Parts:
 
     device: torch.device
     ranks: Ranks
+    setup_data_s: float  # of the set-up, the data's part: read, decoded or from its cache, on the device
     # data: the loaders yield uint8 batches; the *_batches are them on the device, normalized
     train_loader: object  # EpochLoader, GpuLoader or LowResEpochs: set_epoch(epoch, skip_batches) first
     train_batches: Iterable[Batch]
@@ -122,7 +124,9 @@ def assemble(cfg: TrainConfig, ranks: Ranks, device: torch.device) -> Parts:
     weights are drawn after the seeds, as every run of this config draws them)."""
     seed_everything(cfg.seed)
     perf.apply_backend_flags(cfg, device)
+    started = time.perf_counter()
     splits, train_loader, train_batches, test_batches = build_data(cfg, ranks, device)
+    setup_data_s = time.perf_counter() - started
     raw_model, model, ddp_model, step_graph, meter = build_network(cfg, ranks, device, splits)
     global_batch = cfg.batch_size * ranks.world_size * cfg.grad_accum_steps
     lr_peak = logged_peak_lr(cfg, global_batch)
@@ -134,7 +138,13 @@ def assemble(cfg: TrainConfig, ranks: Ranks, device: torch.device) -> Parts:
     warm_up_steps = perf.warm_up_steps(cfg, device, captured=step_graph is not None)
     scheduler = build_scheduler(cfg.optim, optimizer, total_steps)
     autocast = perf.autocast_context(cfg, device)  # says once where amp cannot act as asked
+    log.info(
+        "set-up: data %.2f s (read, decoded or cached, on the device), model and optimizer %.2f s",
+        setup_data_s,
+        time.perf_counter() - started - setup_data_s,
+    )
     return Parts(
+        setup_data_s=setup_data_s,
         device=device,
         ranks=ranks,
         train_loader=train_loader,

@@ -84,6 +84,7 @@ class Run:
         self.exported: str | None = None  # the inference model's file, once written
         self.startup_s: float | None = None  # the process (or sweep job) before this run's set-up
         self.setup_s: float | None = None  # the assembly (data, model, optimizer) and the restore
+        self.setup_data_s: float | None = None  # of setup_s, the data's part
         self.ranks_record: dict = {}  # a launcher's: rank 0's metrics.json when the ranks failed
         self.stop_signal: str | None = None  # a stop every rank agreed on
         self.stop_requested: str | None = None  # the signal this process got
@@ -251,6 +252,7 @@ class Run:
             "export": self.exported,
             "startup_s": self.startup_s,
             "setup_s": self.setup_s,
+            "setup_data_s": self.setup_data_s,
             "wall_s": timing.wall_s(),
         }
 

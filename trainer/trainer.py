@@ -84,6 +84,7 @@ class Trainer:
         self.parts = assemble(self.cfg, ranks, device)
         self.run.begin(self.parts, resume)
         self.run.setup_s = time.perf_counter() - started  # data, model, optimizer, the restore
+        self.run.setup_data_s = self.parts.setup_data_s
         return self
 
     def evaluate(self) -> dict:
