@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import time
@@ -16,6 +17,8 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from trainer.config import register_schema
+from trainer.job_names import in_default_layout, job_place, sweep_jobs
+from trainer.report.jobs import natural_key
 
 REPO = Path(__file__).resolve().parent.parent
 CONF = REPO / "conf"
@@ -126,14 +129,26 @@ def read_metrics(run_dir: Path) -> dict:
 
 
 def run_folders(root: Path) -> list[Path]:
-    """Every folder under root that holds a .hydra/ folder (one per run or sweep job)."""
-    return sorted(path.parent for path in root.rglob(".hydra"))
+    """Every run or sweep job (a folder holding .hydra/) under root, and the jobs of the sweep
+    folders under it (the default layout puts them beside the single runs), in job order."""
+    found = {hydra.parent for hydra in root.rglob(".hydra")}
+    found.update(job for sweep in root.rglob("multirun.yaml") for job in sweep_jobs(sweep.parent))
+    return sorted(found, key=lambda job: natural_key(job_place(job)))
 
 
 def sweep_job(sweep: Path, number: int) -> Path:
-    """A sweep's job folder by its number (named <number>_<swept overrides>, trainer/job_names.py)."""
-    [folder] = [path for path in sweep.iterdir() if path.is_dir() and path.name.split("_")[0] == str(number)]
+    """A sweep's job folder by its number (trainer/job_names.py), wherever it is."""
+    [folder] = [job for job in sweep_jobs(sweep) if job_place(job).name.split("_")[0] == str(number)]
     return folder
+
+
+def copy_sweep(sweep: Path, destination: Path, **copytree) -> Path:
+    """A copy of a sweep and its jobs: of the folder that holds both (outputs/, for the default
+    layout: outputs/multirun/<date>/<time> and outputs/<swept>/<date>_<time>_<n>) into
+    destination; the copied sweep folder."""
+    holder = sweep.parents[2] if in_default_layout(sweep) else sweep
+    shutil.copytree(holder, destination, **copytree)
+    return destination / sweep.relative_to(holder)
 
 
 def job_number(name: str) -> str:

@@ -82,14 +82,22 @@ def test_a_run_leaves_one_folder_with_checkpoint_metrics_and_tensorboard(tmp_pat
     )
 
 
-def test_a_sweep_leaves_one_completed_folder_per_job(toggle_sweep):
+def test_a_sweep_leaves_one_completed_folder_per_job_beside_the_single_runs(toggle_sweep):
+    """outputs/multirun/<date>/<time> holds the sweep's multirun.yaml; each job is
+    outputs/<the values it was swept over>/<date>_<time>_<job>, as a single run is
+    outputs/<its overrides>/<date>_<time>: TensorBoard's run names start with what differs."""
     outputs = toggle_sweep.parents[2]  # <cwd>/outputs/multirun/<date>/<time>
-    runs = run_folders(toggle_sweep)
+    assert re.fullmatch(f"multirun/{SWEEP_STAMP}", toggle_sweep.relative_to(outputs).as_posix())
+    assert (toggle_sweep / "multirun.yaml").is_file()
+    assert not list((outputs / "multirun").rglob(".hydra"))  # no job inside the sweep folder
+    runs = run_folders(outputs)
+    assert runs == run_folders(toggle_sweep)  # the sweep's jobs, found from its folder
     settings = [(amp, layout) for amp in (False, True) for layout in (False, True)]  # Hydra's job order
     assert len(set(runs)) == len(settings)
+    stamp = f"{toggle_sweep.parent.name}_{toggle_sweep.name}"
     for job, (run, (amp, layout)) in enumerate(zip(runs, settings)):
-        name = f"{job}_amp={str(amp).lower()},channels_last={str(layout).lower()}"  # the swept keys only
-        assert re.fullmatch(f"multirun/{SWEEP_STAMP}/{name}", run.relative_to(outputs).as_posix())
+        swept = f"amp={str(amp).lower()},channels_last={str(layout).lower()}"  # the swept keys only
+        assert run.relative_to(outputs).as_posix() == f"{swept}/{stamp}_{job}"
         metrics = read_metrics(run)
         assert metrics["status"] == "completed"
         assert metrics["overrides"] == [*TOGGLE_SWEEP, f"amp={amp}", f"channels_last={layout}"]
@@ -128,3 +136,22 @@ def test_a_sweep_job_is_named_by_the_values_it_was_swept_over(tmp_path):
         and long != job_dir_name(12, [f"data.root=/{'x' * 301}"], str(tmp_path / "absent"))
     )
     assert job_dir_name(0, [], str(tmp_path)) == "0"
+
+
+def test_the_default_sweep_folder_puts_its_jobs_beside_the_single_runs_and_finds_them_again(tmp_path):
+    from trainer.job_names import job_dir_name, job_place, sweep_jobs
+
+    sweep = tmp_path / "outputs" / "multirun" / "2026-11-26" / "05-53-03.123456"
+    sweep.mkdir(parents=True)
+    (sweep / "multirun.yaml").write_text("hydra:\n  overrides:\n    task: [model=cnn, 'seed=0,1']\n")
+    names = [job_dir_name(n, ["model=cnn", f"seed={n}"], str(sweep)) for n in (0, 1)]
+    assert names == [f"../../../seed={n}/2026-11-26_05-53-03.123456_{n}" for n in (0, 1)]
+    assert job_dir_name(0, ["model=cnn"], str(sweep)).startswith("../../../defaults/")
+    jobs = [(sweep / name).resolve() for name in reversed(names)]
+    single = tmp_path / "outputs" / "seed=0" / "2026-11-26_05-53-03.123456"  # a single run, same second
+    other = tmp_path / "outputs" / "seed=0" / "2026-11-26_05-53-03.999999_0"  # another sweep's job
+    for folder in (*jobs, single, other):
+        (folder / ".hydra").mkdir(parents=True)
+    assert sweep_jobs(sweep) == jobs[::-1]  # in job order, no other run
+    assert [job_place(job) for job in jobs[::-1]] == [sweep / "0_seed=0", sweep / "1_seed=1"]
+    assert job_place(single) == single and job_place(other) == other  # no such sweep folder

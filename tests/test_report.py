@@ -24,6 +24,7 @@ from conftest import (
     TOGGLE_SWEEP,
     cli_environment,
     compose_config,
+    copy_sweep,
     job_number,
     read_metrics,
     run_folders,
@@ -33,6 +34,7 @@ from conftest import (
 from matplotlib.image import imread
 
 from trainer import Trainer, tags
+from trainer.job_names import job_place
 from trainer.report import __main__ as report
 
 
@@ -42,6 +44,9 @@ def seed_sweep(tmp_path_factory) -> Path:
     folder = sweep(tmp_path_factory, "seeds", *SWEEP_SMALL, "seed=0,1", "optim.lr=0.05,1e30")
     assert len(run_folders(folder)) == 4
     return folder
+
+
+LEAN = shutil.ignore_patterns("checkpoints", "report.*")  # a sweep's copy without what no test reads
 
 
 def run_report(*args, capsys) -> tuple[int, str, str]:
@@ -66,7 +71,7 @@ def markdown_rows(text: str, first_cell: str) -> list[list[str]]:
 
 
 def job_metrics(sweep_folder: Path) -> dict[str, dict]:
-    return {job_number(job.name): read_metrics(job) for job in run_folders(sweep_folder)}
+    return {job_number(job_place(job).name): read_metrics(job) for job in run_folders(sweep_folder)}
 
 
 @contextlib.contextmanager
@@ -105,10 +110,10 @@ def tensorboard_server(logdir: Path, runs: int) -> Iterator[Callable[..., object
 def test_tensorboard_serves_the_sweep_by_job_name_with_the_swept_hparams_first(toggle_sweep, tmp_path):
     """What `tensorboard --logdir` serves over a sweep and a weight-average run beside it."""
     logdir = tmp_path / "outputs"
-    shutil.copytree(toggle_sweep, logdir / "sweep")
+    copy_sweep(toggle_sweep, logdir)  # as `python -m trainer -m ...` left outputs/
     ema_overrides = [*TOGGLE_SWEEP, "ema.enabled=true", "ema.update_every=1"]
     Trainer(compose_config(*ema_overrides, small=False), logdir / "ema", overrides=ema_overrides).fit()
-    jobs = run_folders(logdir / "sweep")
+    jobs = [job for job in run_folders(logdir) if job.name != "ema"]
     with tensorboard_server(logdir, len(jobs) + 1) as api:
         runs = api("/data/runs")
         experiment = api("/data/plugin/hparams/experiment", {"experimentName": ""})
@@ -118,14 +123,16 @@ def test_tensorboard_serves_the_sweep_by_job_name_with_the_swept_hparams_first(t
         statuses = ["STATUS_UNKNOWN", "STATUS_SUCCESS", "STATUS_FAILURE", "STATUS_RUNNING"]
         query = {"experimentName": "", "allowedStatuses": statuses, "colParams": columns}
         groups = api("/data/plugin/hparams/session_groups", query | {"startIndex": 0, "sliceSize": 100})
-        run = f"sweep/{jobs[-1].name}/tb"
+        run = f"{jobs[-1].relative_to(logdir).as_posix()}/tb"
         accuracy = api(
             f"/data/plugin/scalars/scalars?run={urllib.parse.quote(run)}&tag={urllib.parse.quote(tags.TEST_ACC)}"
         )
 
-    # the legend: each job by the values it was swept over
+    # the legend: each job by the values it was swept over, then the sweep's date and time and the
+    # job's number
     swept = [(amp, layout) for amp in ("false", "true") for layout in ("false", "true")]  # Hydra's order
-    expected = [f"sweep/{job}_amp={a},channels_last={c}/tb" for job, (a, c) in enumerate(swept)]
+    stamp = f"{toggle_sweep.parent.name}_{toggle_sweep.name}"
+    expected = [f"amp={a},channels_last={c}/{stamp}_{job}/tb" for job, (a, c) in enumerate(swept)]
     assert sorted(runs) == sorted([*expected, "ema/tb"])
     # HParams: the swept keys first (TensorBoard ticks the first five), then the core and what the
     # command lines set; not the whole config
@@ -136,7 +143,7 @@ def test_tensorboard_serves_the_sweep_by_job_name_with_the_swept_hparams_first(t
     assert {"model", "data", "epochs", "batch_size", "seed", "ema.enabled"} <= set(names)
     assert len(names) <= 16 and "optim.momentum" not in names
     by_run = {group["name"]: group["hparams"] for group in groups["sessionGroups"]}
-    assert {by_run[f"sweep/{job.name}/tb"]["batch_size"] for job in jobs} == {"32"}
+    assert {by_run[f"{job.relative_to(logdir).as_posix()}/tb"]["batch_size"] for job in jobs} == {"32"}
     # metrics: the test accuracy first (ticked, and what parallel coordinates are coloured by),
     # the accuracies and losses in the first five, images/s the first after them; the same list
     # whichever run is read first; no one-point charts
@@ -255,8 +262,7 @@ def test_jobs_differing_only_in_seed_share_a_row_with_mean_and_std(seed_sweep, t
 
 
 def test_unfinished_jobs_and_missing_metrics_never_break_the_report(toggle_sweep, tmp_path, capsys):
-    sweep_copy = tmp_path / "sweep"
-    shutil.copytree(toggle_sweep, sweep_copy, ignore=shutil.ignore_patterns("checkpoints", "report.*"))
+    sweep_copy = copy_sweep(toggle_sweep, tmp_path / "sweep", ignore=LEAN)
     (sweep_job(sweep_copy, 3) / "metrics.json").unlink()  # a job killed before it wrote anything
     interrupted = read_metrics(sweep_job(sweep_copy, 1)) | {"status": "interrupted"}
     (sweep_job(sweep_copy, 1) / "metrics.json").write_text(json.dumps(interrupted))
@@ -303,8 +309,7 @@ def test_time_to_target_accuracy_comes_from_the_history(toggle_sweep, tmp_path, 
 
 
 def test_time_to_target_recorded_by_the_runs_is_preferred(toggle_sweep, tmp_path, capsys):
-    copy = tmp_path / "sweep"
-    shutil.copytree(toggle_sweep, copy)
+    copy = copy_sweep(toggle_sweep, tmp_path / "sweep")
     for job in run_folders(copy):
         metrics = read_metrics(job)
         metrics.update(target_acc=0.5, time_to_target_s=123.0, epochs_to_target=1)
@@ -336,9 +341,8 @@ def test_a_two_valued_non_boolean_key_counts_as_a_toggle_from_the_baselines_valu
     toggle_sweep, tmp_path, capsys
 ):
     """A sweep over data.loader=torch,gpu is as much an ablation as one over a boolean."""
-    sweep_copy = tmp_path / "sweep"
-    shutil.copytree(toggle_sweep, sweep_copy, ignore=shutil.ignore_patterns("checkpoints", "report.*"))
-    for overrides in sweep_copy.glob("*/.hydra/overrides.yaml"):
+    sweep_copy = copy_sweep(toggle_sweep, tmp_path / "sweep", ignore=LEAN)
+    for overrides in (job / ".hydra" / "overrides.yaml" for job in run_folders(sweep_copy)):
         text = overrides.read_text().replace("channels_last=False", "data.loader=torch")  # as Hydra writes it
         overrides.write_text(text.replace("channels_last=True", "data.loader=gpu"))
     # Named: left to itself the report takes the slower all-off row, and on a CPU either can be.
@@ -373,8 +377,7 @@ def test_a_job_timed_with_its_warm_up_is_neither_baseline_nor_half_of_a_toggle_p
     toggle_sweep, tmp_path, capsys
 ):
     """Job 0 (every toggle off) cut back to its first epoch, as a one-epoch run records it."""
-    sweep_copy = tmp_path / "sweep"
-    shutil.copytree(toggle_sweep, sweep_copy, ignore=shutil.ignore_patterns("checkpoints", "report.*"))
+    sweep_copy = copy_sweep(toggle_sweep, tmp_path / "sweep", ignore=LEAN)
     first_epoch = read_metrics(sweep_job(sweep_copy, 0))
     first_epoch.update(history=first_epoch["history"][:1], img_per_s=first_epoch["history"][0]["img_per_s"])
     (sweep_job(sweep_copy, 0) / "metrics.json").write_text(json.dumps(first_epoch))
@@ -411,12 +414,11 @@ def test_a_malformed_metrics_json_is_one_line_and_the_other_jobs_come_out(
     toggle_sweep, tmp_path, capsys, written, problem
 ):
     """R11: the job is reported as malformed, as a failed one is; no traceback."""
-    sweep_copy = tmp_path / "sweep"
-    shutil.copytree(toggle_sweep, sweep_copy)
+    sweep_copy = copy_sweep(toggle_sweep, tmp_path / "sweep")
     broken, *others = run_folders(sweep_copy)
     (broken / "metrics.json").write_text(written)
     code, out, _ = run_report(sweep_copy, "--out", tmp_path / "report", capsys=capsys)
     assert code == 0
-    assert f"- {broken.name.split('_')[0]} ({broken}): malformed metrics.json: {problem}" in out
+    assert f"- {job_place(broken).name.split('_')[0]} ({broken}): malformed metrics.json: {problem}" in out
     rows = read_csv(tmp_path / "report")
     assert sum(int(row["n"] or 0) for row in rows) == len(others)

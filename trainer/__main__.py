@@ -32,19 +32,26 @@ log = logging.getLogger("trainer")
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def train(cfg: DictConfig) -> float | None:
     hydra_cfg = HydraConfig.get()
-    sweep = hydra_cfg.mode == RunMode.MULTIRUN
+    sweep_dir = hydra_cfg.sweep.dir if hydra_cfg.mode == RunMode.MULTIRUN else None
     parallel = parallel_jobs.is_parallel(hydra_cfg.launcher.get("_target_"))
     n_jobs = hydra_cfg.launcher.n_jobs if parallel else None
-    return run(cfg, hydra_cfg.runtime.output_dir, list(hydra_cfg.overrides.task), sweep, n_jobs)
+    return run(cfg, hydra_cfg.runtime.output_dir, list(hydra_cfg.overrides.task), sweep_dir, n_jobs)
 
 
 def run(
-    cfg: DictConfig, run_dir: str, overrides: list[str], sweep: bool = False, parallel: int | None = None
+    cfg: DictConfig,
+    run_dir: str,
+    overrides: list[str],
+    sweep_dir: str | None = None,
+    parallel: int | None = None,
 ) -> float | None:
     """One job in its run folder: exit 1 with one error line when it fails, 130 when stopped.
-    A job of a parallel sweep (`parallel`: its n_jobs) returns instead, whatever happened: its
-    metrics.json says it, and the sweep's last line reads them all (trainer/sweep_summary.py)."""
-    if parallel and sweep_summary.stop_requested(Path(run_dir).parent):
+    A job of a sweep (`sweep_dir`: the sweep's folder, which need not hold the job's) that fails
+    raises, and the sweep goes on. A job of a parallel sweep (`parallel`: its n_jobs) returns
+    instead, whatever happened: its metrics.json says it, and the sweep's last line reads them
+    all (trainer/sweep_summary.py)."""
+    sweep = sweep_dir is not None
+    if parallel and sweep_summary.stop_requested(Path(sweep_dir)):
         return None  # the sweep was stopped before this job's turn
     # torch: only once the command line has passed its check
     from trainer.perf.model import fresh_compile

@@ -1,18 +1,29 @@
-"""Run folder names. A sweep job's: its number, then the values it was swept over, e.g.
-`3_amp=true,channels_last=true`. A single run's: its overrides, then the date and time.
+"""Run folder names, and where a sweep's jobs are.
 
-TensorBoard names each run by its folder, so this is also what its legend and HParams table
-show. conf/config.yaml sets `hydra.sweep.subdir` to `${trainer_job_dir:...}`; register_schema
-(trainer/config.py) registers the resolver. No Hydra setting does this: `override_dirname`
-holds every override of the job, the ones all jobs share included.
+A single run: `outputs/<its overrides>/<date>_<time>`. A job of a sweep in the default sweep
+folder (`outputs/multirun/<date>/<time>`): beside the single runs, as
+`outputs/<the values it was swept over>/<the sweep's date>_<time>_<job number>`, e.g.
+`outputs/amp=true,channels_last=true/2026-11-26_05-53-03.123456_3`; the sweep folder keeps
+multirun.yaml and the sweep's own files. A job of a sweep folder given as hydra.sweep.dir:
+inside it, as `<job number>_<the values it was swept over>`.
+
+TensorBoard names each run by its path under --logdir, so `tensorboard --logdir outputs` lists
+every run and job by what differs first, the date and time after (HParams' Trial ID too).
+Links from the sweep folder to its jobs would show each job twice (TensorBoard follows links),
+so a sweep's jobs are found by their names instead (sweep_jobs). conf/config.yaml sets
+`hydra.sweep.subdir` to `${trainer_job_dir:...}`; register_schema (trainer/config.py) registers
+the resolver. No Hydra setting does this: `override_dirname` holds every override of the job,
+the ones all jobs share included, and a sweep's jobs are always inside its folder.
 """
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import re
 from pathlib import Path
 
+MULTIRUN = "multirun"  # conf/config.yaml's hydra.sweep.dir: outputs/multirun/<date>/<time>
 MAX_OVERRIDES_CHARS = 96  # the overrides part; longer ones are cut and end in a hash of the whole
 UNSAFE = re.compile(r"[^A-Za-z0-9._=,+-]")  # a path's '/' among them: one folder per job
 # A swept `amp=false,true` reaches the job as the Python values False and True.
@@ -54,11 +65,54 @@ def overrides_text(kept: list[str]) -> str:
 
 
 def job_dir_name(number: int | str, overrides: list[str], sweep_dir: str) -> str:
-    """`<number>_<key=value,...>` for the swept keys of this job's overrides (all of them when
-    the sweep's own are unknown), every character outside [A-Za-z0-9._=,+-] as '-'; the number
-    alone when none is left. Numbers keep names unique within a sweep; a cut name ends in 8 hex
-    digits of the full text, so that it still says which job it is."""
+    """Where Hydra puts job `number`, relative to the sweep folder: in the default layout (a
+    sweep folder `<root>/multirun/<date>/<time>`) `../../../<swept>/<date>_<time>_<number>`,
+    else `<number>_<swept>`. <swept>: `key=value,...` of the swept keys of this job's
+    overrides (all of them when the sweep's own are unknown), every character outside
+    [A-Za-z0-9._=,+-] as '-', a cut text ending in 8 hex digits of the whole; `defaults` (or
+    the number alone, inside the sweep folder) when none is left."""
     keys = swept_keys(sweep_dir)
     kept = [item for item in map(str, overrides) if keys is None or item.lstrip("+~").split("=")[0] in keys]
     safe = overrides_text(kept)
+    sweep = Path(sweep_dir)
+    if in_default_layout(sweep):
+        return f"../../../{safe or 'defaults'}/{sweep.parent.name}_{sweep.name}_{number}"
     return f"{number}_{safe}" if safe else str(number)
+
+
+def in_default_layout(sweep_dir: Path) -> bool:
+    """A sweep folder `<root>/multirun/<date>/<time>` (conf/config.yaml's hydra.sweep.dir): its
+    jobs go to <root>, beside the single runs."""
+    return sweep_dir.parent.parent.name == MULTIRUN and sweep_dir.parent.name != ""
+
+
+def sweep_jobs(sweep_dir: Path) -> list[Path]:
+    """The job folders of a sweep (holding .hydra/), in job order: inside the sweep folder, and
+    in the default layout the `<root>/*/<date>_<time>_<number>` folders."""
+    inside = [folder for folder in sweep_dir.iterdir() if (folder / ".hydra").is_dir()]
+    beside = []
+    if in_default_layout(sweep_dir):
+        stamp = f"{sweep_dir.parent.name}_{sweep_dir.name}"
+        job = re.compile(rf"{re.escape(stamp)}_(\d+)")
+        beside = [
+            folder
+            for folder in sweep_dir.parent.parent.parent.glob(f"*/{glob.escape(stamp)}_*")
+            if job.fullmatch(folder.name) and (folder / ".hydra").is_dir()
+        ]
+    return sorted(inside + beside, key=lambda folder: job_place(folder).name.split("_")[0].zfill(12))
+
+
+def job_place(folder: Path) -> Path:
+    """Where a job folder would be inside its sweep folder: `<sweep>/<number>_<swept>` for a job
+    of the default layout (`<root>/<swept>/<date>_<time>_<number>`, whose sweep folder
+    `<root>/multirun/<date>/<time>` exists); any other folder as it is. What names a job in the
+    report and in the sweep's last line: the same under either layout."""
+    stamp, _, number = folder.name.rpartition("_")
+    if not number.isdigit():
+        return folder
+    root = folder.parent.parent
+    for split in (index for index, char in enumerate(stamp) if char == "_"):
+        sweep = root / MULTIRUN / stamp[:split] / stamp[split + 1 :]
+        if (sweep / "multirun.yaml").is_file():
+            return sweep / f"{number}_{folder.parent.name}"
+    return folder

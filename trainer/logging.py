@@ -40,7 +40,7 @@ PLAIN_VALUE = re.compile(r"[\w/.+@%:-]+")
 def shell_override(key: str, value: object) -> str:
     """key=value as a hint prints it, to work pasted into bash: as it stands where the value is
     plain; else quoted for Hydra (a sweep job's folder holds `=`, which its parser refuses bare)
-    and that quoted for the shell: "resume='outputs/multirun/.../1_seed=1'"."""
+    and that quoted for the shell: "resume='outputs/seed=1/2026-11-26_05-53-03.123456_1'"."""
     text = str(value)
     if PLAIN_VALUE.fullmatch(text):
         return f"{key}={text}"

@@ -2,6 +2,8 @@
 
     sweep: 3 of 4 jobs completed; failed: 2_seed=2 (no class folders ...) | python -m trainer.report DIR
 
+Each job by its number and swept values, wherever its folder is (trainer/job_names.py).
+
 A Hydra callback notes the sweep folder in the process that launches the jobs (on_multirun_start
 runs there, whichever launcher); once the sweep is over, `outcome()` reads each job's
 metrics.json, which every job writes whether it completed, failed or was stopped. Under
@@ -28,6 +30,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from trainer import parallel_jobs
+from trainer.job_names import job_place, sweep_jobs
 from trainer.report.jobs import NO_METRICS, UNREADABLE, read_metrics
 
 STOP_FLAG = ".stop"  # in the sweep folder: jobs that have not started yet do not
@@ -54,7 +57,7 @@ def stop_parallel_sweep(signum: int, _frame) -> None:
     if _sweep_dir is None:
         return
     (_sweep_dir / STOP_FLAG).touch()
-    for lock in _sweep_dir.glob("*/run.lock"):
+    for lock in (job / "run.lock" for job in sweep_jobs(_sweep_dir)):
         with contextlib.suppress(OSError, ValueError, json.JSONDecodeError):
             owner = json.loads(lock.read_text())
             if owner.get("host") in (None, socket.gethostname()):  # as run_lock names it
@@ -74,11 +77,8 @@ def outcome() -> tuple[str, int] | None:
     """(the sweep's last line, its exit code), or None where no sweep ran in this process."""
     if _sweep_dir is None or not _sweep_dir.is_dir():
         return None
-    jobs = sorted(
-        (folder for folder in _sweep_dir.iterdir() if (folder / ".hydra").is_dir()),
-        key=lambda folder: (len(folder.name.split("_")[0]), folder.name),
-    )
-    statuses = {folder.name: job_status(folder) for folder in jobs}
+    jobs = sweep_jobs(_sweep_dir)
+    statuses = {job_place(folder).name: job_status(folder) for folder in jobs}
     completed = sum(status == "completed" for status, _ in statuses.values())
     stopped = [name for name, (status, _) in statuses.items() if status in ("interrupted", "not run")]
     failed = [  # "running" after the sweep: a job that died before it could say why

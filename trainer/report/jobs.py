@@ -17,6 +17,7 @@ from pathlib import Path
 
 import yaml
 
+from trainer.job_names import job_place, sweep_jobs
 from trainer.trials import includes_warm_up
 
 BOOLEANS = ("false", "true")
@@ -59,7 +60,11 @@ def find_job_folders(folders: list[Path]) -> list[Path]:
     for folder in folders:
         if not folder.is_dir():
             raise ReportError(f"no such folder: {folder}")
-        found = sorted({hydra.parent for hydra in folder.rglob(".hydra") if hydra.is_dir()}, key=natural_key)
+        # the runs under it, and the jobs of the sweeps under it, which the default layout puts
+        # beside the single runs instead (trainer/job_names.py)
+        found = {hydra.parent for hydra in folder.rglob(".hydra") if hydra.is_dir()}
+        found.update(job for sweep in folder.rglob("multirun.yaml") for job in sweep_jobs(sweep.parent))
+        found = sorted(found, key=lambda job: natural_key(job_place(job)))
         if not found:
             raise ReportError(f"no job folders (folders holding .hydra/) under {folder}")
         jobs.extend(found)
@@ -149,11 +154,12 @@ def job_names(folders: list[Path]) -> list[str]:
     """Each job folder relative to the folder all of them share, a sweep job by its number
     (its folder '3_amp=true,channels_last=true' holds the overrides, which have columns of
     their own): '3', or 'sweep-b/3'."""
-    if len(folders) == 1:
-        names = [Path(folders[0].name)]
+    places = [job_place(folder.resolve()) for folder in folders]  # a job as if in its sweep folder
+    if len(places) == 1:
+        names = [Path(places[0].name)]
     else:
-        shared = Path(os.path.commonpath([folder.resolve() for folder in folders]))
-        names = [folder.resolve().relative_to(shared) for folder in folders]
+        shared = Path(os.path.commonpath(places))
+        names = [place.relative_to(shared) for place in places]
     return [str(name.with_name(short_name(name.name))) for name in names]
 
 
