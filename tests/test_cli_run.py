@@ -17,7 +17,6 @@ TAGS = (
     tags.TRAIN_ACC,
     tags.TEST_LOSS,
     tags.TEST_ACC,
-    tags.LR,
     tags.IMG_PER_S,
     tags.IMG_PER_S_EPOCH,
     tags.EPOCH_S,
@@ -26,9 +25,9 @@ SWEEP_STAMP = r"\d{4}-\d{2}-\d{2}/\d{2}-\d{2}-\d{2}\.\d{6}"  # a sweep's <date>/
 RUN_STAMP = r"\d{4}-\d{2}-\d{2}_\d{2}-\d{2}-\d{2}\.\d{6}"  # a single run's, after its overrides
 
 
-def scalars(run) -> dict[str, list[tuple[int, float]]]:
-    """Every TensorBoard scalar of the run: tag -> [(step, value), ...]."""
-    events = EventAccumulator(str(run / "tb"), size_guidance={"scalars": 0})
+def scalars(run, folder: str = "tb") -> dict[str, list[tuple[int, float]]]:
+    """Every TensorBoard scalar of the run's tb/ (or schedule/): tag -> [(step, value), ...]."""
+    events = EventAccumulator(str(run / folder), size_guidance={"scalars": 0})
     events.Reload()
     return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
 
@@ -68,7 +67,9 @@ def test_a_run_leaves_one_folder_with_checkpoint_metrics_and_tensorboard(tmp_pat
     # the x axis is images trained on (tb_step=images): optimizer steps x the batch of 32
     assert [x for x, _ in logged[tags.TRAIN_LOSS]] == [32 * step for step in (2, 4, 6, 8, 10, 12, 14, 16)]
     assert all(math.isfinite(loss) and loss > 0 for _, loss in logged[tags.TRAIN_LOSS])
-    assert all(lr > 0 for _, lr in logged[tags.LR])
+    settings = scalars(run, "schedule")  # a TensorBoard run of its own: not an HParams metric
+    assert tags.LR not in logged and set(settings) == {tags.LR}
+    assert all(lr > 0 for _, lr in settings[tags.LR])
     assert [x for x, _ in logged[tags.TEST_ACC]] == [32 * 8, 32 * 16]
     assert all(0.0 <= accuracy <= 1.0 for _, accuracy in logged[tags.TEST_ACC])
     assert math.isclose(logged[tags.TEST_ACC][-1][1], metrics["test_acc"], rel_tol=1e-6)  # TB holds float32

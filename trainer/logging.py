@@ -12,6 +12,7 @@ import re
 import shlex
 from pathlib import Path
 
+from trainer import tags
 from trainer.atomic import RUN_FOLDER_FIX, write_atomic
 from trainer.progress_bar import NoProgress, StepProgress
 
@@ -127,12 +128,23 @@ class RunLog:
 
         self.run_dir, self.x_per_step = run_dir, x_per_step
         self.writer = SummaryWriter(str(run_dir / "tb"))
+        self.settings_writer = None  # <run>/schedule: opened with the first setting written
 
     def scalars(self, step: int, values: dict) -> None:
-        """At x = step x x_per_step (tb_step: images trained on, or optimizer steps)."""
+        """At x = step x x_per_step (tb_step: images trained on, or optimizer steps); the
+        settings (tags.SETTINGS) into the run's schedule/ folder, the figures into tb/."""
         for tag, value in values.items():
             if value is not None:
-                self.writer.add_scalar(tag, value, step * self.x_per_step)
+                self.writer_of(tag).add_scalar(tag, value, step * self.x_per_step)
+
+    def writer_of(self, tag: str):
+        if tag not in tags.SETTINGS:
+            return self.writer
+        if self.settings_writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.settings_writer = SummaryWriter(str(self.run_dir / "schedule"))
+        return self.settings_writer
 
     def metrics(self, data: dict) -> None:
         write_json_atomic(self.run_dir / METRICS, data)
@@ -159,6 +171,8 @@ class RunLog:
 
     def close(self) -> None:
         self.writer.close()
+        if self.settings_writer is not None:
+            self.settings_writer.close()
 
 
 class SilentRunLog(RunLog):
