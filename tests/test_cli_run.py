@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+from pathlib import Path
 
 import torch
 from conftest import SMALL, TOGGLE_SWEEP, compose_config, read_metrics, run_cli, run_folders
@@ -139,16 +140,21 @@ def test_a_sweep_job_is_named_by_the_values_it_was_swept_over(tmp_path):
     assert job_dir_name(0, [], str(tmp_path)) == "0"
 
 
-def test_the_default_sweep_folder_puts_its_jobs_beside_the_single_runs_and_finds_them_again(tmp_path):
+def test_the_default_sweep_folder_puts_its_jobs_beside_the_single_runs_and_finds_them_again(
+    tmp_path, monkeypatch
+):
     from trainer.job_names import job_dir_name, job_place, sweep_jobs
 
     sweep = tmp_path / "outputs" / "multirun" / "2026-11-26" / "05-53-03.123456"
     sweep.mkdir(parents=True)
     (sweep / "multirun.yaml").write_text("hydra:\n  overrides:\n    task: [model=cnn, 'seed=0,1']\n")
     names = [job_dir_name(n, ["model=cnn", f"seed={n}"], str(sweep)) for n in (0, 1)]
-    assert names == [f"../../../seed={n}/2026-11-26_05-53-03.123456_{n}" for n in (0, 1)]
-    assert job_dir_name(0, ["model=cnn"], str(sweep)).startswith("../../../defaults/")
-    jobs = [(sweep / name).resolve() for name in reversed(names)]
+    outputs = str(tmp_path / "outputs")
+    assert names == [f"{outputs}/seed={n}/2026-11-26_05-53-03.123456_{n}" for n in (0, 1)]  # absolute
+    # a sweep that sweeps nothing: its jobs under their overrides, as a single run of them
+    (sweep / "multirun.yaml").write_text("hydra:\n  overrides:\n    task: [model=cnn]\n")
+    assert job_dir_name(0, ["model=cnn"], str(sweep)) == f"{outputs}/model=cnn/2026-11-26_05-53-03.123456_0"
+    jobs = [Path(name) for name in reversed(names)]
     single = tmp_path / "outputs" / "seed=0" / "2026-11-26_05-53-03.123456"  # a single run, same second
     other = tmp_path / "outputs" / "seed=0" / "2026-11-26_05-53-03.999999_0"  # another sweep's job
     for folder in (*jobs, single, other):
@@ -156,3 +162,7 @@ def test_the_default_sweep_folder_puts_its_jobs_beside_the_single_runs_and_finds
     assert sweep_jobs(sweep) == jobs[::-1]  # in job order, no other run
     assert [job_place(job) for job in jobs[::-1]] == [sweep / "0_seed=0", sweep / "1_seed=1"]
     assert job_place(single) == single and job_place(other) == other  # no such sweep folder
+    # from inside the sweep folder, as `python -m trainer.report .` names it
+    monkeypatch.chdir(sweep)
+    assert sweep_jobs(Path(".")) == jobs[::-1]
+    assert job_place(Path("../../../seed=0") / jobs[1].name) == sweep / "0_seed=0"

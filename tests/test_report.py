@@ -287,8 +287,9 @@ def test_baseline_can_be_chosen_by_overrides_or_folder(toggle_sweep, tmp_path, c
     [baseline] = [row for row in read_csv(tmp_path) if row["baseline"] == "yes"]
     assert (baseline["amp"], baseline["channels_last"]) == ("true", "false")
     assert float(baseline["speedup"]) == pytest.approx(1.0)
-    assert run_report(toggle_sweep, "--out", tmp_path, "--baseline", "3", capsys=capsys)[0] == 0
-    assert [job_number(row["job"]) for row in read_csv(tmp_path) if row["baseline"] == "yes"] == ["3"]
+    for spec in ("3", "3_amp=true,channels_last=true"):  # the job's number, its name in the sweep
+        assert run_report(toggle_sweep, "--out", tmp_path, "--baseline", spec, capsys=capsys)[0] == 0
+        assert [job_number(row["job"]) for row in read_csv(tmp_path) if row["baseline"] == "yes"] == ["3"]
 
 
 def test_a_baseline_that_matches_nothing_is_a_one_line_error(toggle_sweep, tmp_path, capsys):

@@ -32,7 +32,8 @@ log = logging.getLogger("trainer")
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def train(cfg: DictConfig) -> float | None:
     hydra_cfg = HydraConfig.get()
-    sweep_dir = hydra_cfg.sweep.dir if hydra_cfg.mode == RunMode.MULTIRUN else None
+    sweep = hydra_cfg.mode == RunMode.MULTIRUN  # its folder from where the command ran (hydra.job.chdir)
+    sweep_dir = os.path.join(hydra_cfg.runtime.cwd, hydra_cfg.sweep.dir) if sweep else None
     parallel = parallel_jobs.is_parallel(hydra_cfg.launcher.get("_target_"))
     n_jobs = hydra_cfg.launcher.n_jobs if parallel else None
     return run(cfg, hydra_cfg.runtime.output_dir, list(hydra_cfg.overrides.task), sweep_dir, n_jobs)

@@ -1,11 +1,11 @@
 """Run folder names, and where a sweep's jobs are.
 
-A single run: `outputs/<its overrides>/<date>_<time>`. A job of a sweep in the default sweep
-folder (`outputs/multirun/<date>/<time>`): beside the single runs, as
+A single run: `outputs/<its overrides>/<date>_<time>`. A job of a sweep whose folder is shaped
+as the default one (`outputs/multirun/<date>/<time>`): beside the single runs, as
 `outputs/<the values it was swept over>/<the sweep's date>_<time>_<job number>`, e.g.
 `outputs/amp=true,channels_last=true/2026-11-26_05-53-03.123456_3`; the sweep folder keeps
-multirun.yaml and the sweep's own files. A job of a sweep folder given as hydra.sweep.dir:
-inside it, as `<job number>_<the values it was swept over>`.
+multirun.yaml and the sweep's own files. A job of a sweep folder of any other shape
+(hydra.sweep.dir=...): inside it, as `<job number>_<the values it was swept over>`.
 
 TensorBoard names each run by its path under --logdir, so `tensorboard --logdir outputs` lists
 every run and job by what differs first, the date and time after (HParams' Trial ID too).
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import os
 import re
 from pathlib import Path
 
@@ -65,30 +66,35 @@ def overrides_text(kept: list[str]) -> str:
 
 
 def job_dir_name(number: int | str, overrides: list[str], sweep_dir: str) -> str:
-    """Where Hydra puts job `number`, relative to the sweep folder: in the default layout (a
-    sweep folder `<root>/multirun/<date>/<time>`) `../../../<swept>/<date>_<time>_<number>`,
-    else `<number>_<swept>`. <swept>: `key=value,...` of the swept keys of this job's
-    overrides (all of them when the sweep's own are unknown), every character outside
-    [A-Za-z0-9._=,+-] as '-', a cut text ending in 8 hex digits of the whole; `defaults` (or
-    the number alone, inside the sweep folder) when none is left."""
+    """Where Hydra puts job `number`. In the default layout (a sweep folder shaped
+    `<root>/multirun/<date>/<time>`): `<root>/<swept>/<date>_<time>_<number>`, as an absolute
+    path (Hydra joins it to the sweep folder, which then drops out; a `..` after a linked
+    multirun/ would lead elsewhere than Hydra's own abspath says). Else, inside the sweep
+    folder: `<number>_<swept>`. <swept>: `key=value,...` of the swept keys of this job's
+    overrides (every override when the sweep's own are unknown, or when it sweeps nothing),
+    every character outside [A-Za-z0-9._=,+-] as '-', a cut text ending in 8 hex digits of the
+    whole; `defaults` (inside the sweep folder: the number alone) when none is left."""
     keys = swept_keys(sweep_dir)
     kept = [item for item in map(str, overrides) if keys is None or item.lstrip("+~").split("=")[0] in keys]
-    safe = overrides_text(kept)
-    sweep = Path(sweep_dir)
+    sweep = Path(os.path.abspath(sweep_dir))
     if in_default_layout(sweep):
-        return f"../../../{safe or 'defaults'}/{sweep.parent.name}_{sweep.name}_{number}"
+        name = overrides_text(kept) or run_dir_name(overrides)
+        return os.path.join(sweep.parent.parent.parent, name, f"{sweep.parent.name}_{sweep.name}_{number}")
+    safe = overrides_text(kept)
     return f"{number}_{safe}" if safe else str(number)
 
 
 def in_default_layout(sweep_dir: Path) -> bool:
-    """A sweep folder `<root>/multirun/<date>/<time>` (conf/config.yaml's hydra.sweep.dir): its
-    jobs go to <root>, beside the single runs."""
-    return sweep_dir.parent.parent.name == MULTIRUN and sweep_dir.parent.name != ""
+    """A sweep folder shaped `<root>/multirun/<date>/<time>` (conf/config.yaml's
+    hydra.sweep.dir, or one given so): its jobs go to <root>, beside the single runs."""
+    sweep_dir = Path(os.path.abspath(sweep_dir))
+    return sweep_dir.parent.parent.name == MULTIRUN
 
 
 def sweep_jobs(sweep_dir: Path) -> list[Path]:
     """The job folders of a sweep (holding .hydra/), in job order: inside the sweep folder, and
     in the default layout the `<root>/*/<date>_<time>_<number>` folders."""
+    sweep_dir = Path(os.path.abspath(sweep_dir))
     inside = [folder for folder in sweep_dir.iterdir() if (folder / ".hydra").is_dir()]
     beside = []
     if in_default_layout(sweep_dir):
@@ -107,6 +113,7 @@ def job_place(folder: Path) -> Path:
     of the default layout (`<root>/<swept>/<date>_<time>_<number>`, whose sweep folder
     `<root>/multirun/<date>/<time>` exists); any other folder as it is. What names a job in the
     report and in the sweep's last line: the same under either layout."""
+    folder = Path(os.path.abspath(folder))
     stamp, _, number = folder.name.rpartition("_")
     if not number.isdigit():
         return folder

@@ -170,9 +170,11 @@ class RunLog:
         self.writer.file_writer.add_summary(session_end)
 
     def close(self) -> None:
-        self.writer.close()
-        if self.settings_writer is not None:
-            self.settings_writer.close()
+        try:
+            self.writer.close()
+        finally:
+            if self.settings_writer is not None:
+                self.settings_writer.close()
 
 
 class SilentRunLog(RunLog):

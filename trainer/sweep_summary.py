@@ -1,8 +1,10 @@
 """The last line of a sweep: how many jobs completed, which failed or stopped, and the exit code.
 
-    sweep: 3 of 4 jobs completed; failed: 2_seed=2 (no class folders ...) | python -m trainer.report DIR
+    sweep: 3 of 4 jobs completed; failed: seed=2/2026-11-26_05-53-03.123456_2 (no class folders ...)
+      | python -m trainer.report DIR    (all on one line)
 
-Each job by its number and swept values, wherever its folder is (trainer/job_names.py).
+Each job by its folder: from outputs/ beside the single runs (the default sweep folder), or
+inside the sweep folder given as hydra.sweep.dir (`2_seed=2`; trainer/job_names.py).
 
 A Hydra callback notes the sweep folder in the process that launches the jobs (on_multirun_start
 runs there, whichever launcher); once the sweep is over, `outcome()` reads each job's
@@ -30,7 +32,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from trainer import parallel_jobs
-from trainer.job_names import job_place, sweep_jobs
+from trainer.job_names import sweep_jobs
 from trainer.report.jobs import NO_METRICS, UNREADABLE, read_metrics
 
 STOP_FLAG = ".stop"  # in the sweep folder: jobs that have not started yet do not
@@ -73,12 +75,21 @@ def job_status(folder: Path) -> tuple[str, str]:
     return status, str(metrics.get("error") or "")
 
 
+def job_label(folder: Path, sweep_dir: Path) -> str:
+    """A job as its folder, from the sweep folder or, beside the single runs, from their
+    folder: `2_seed=2`, or `seed=2/2026-11-26_05-53-03.123456_2`."""
+    folder, sweep_dir = Path(os.path.abspath(folder)), Path(os.path.abspath(sweep_dir))
+    if folder.parent == sweep_dir:
+        return folder.name
+    return folder.relative_to(sweep_dir.parents[2]).as_posix()
+
+
 def outcome() -> tuple[str, int] | None:
     """(the sweep's last line, its exit code), or None where no sweep ran in this process."""
     if _sweep_dir is None or not _sweep_dir.is_dir():
         return None
     jobs = sweep_jobs(_sweep_dir)
-    statuses = {job_place(folder).name: job_status(folder) for folder in jobs}
+    statuses = {job_label(folder, _sweep_dir): job_status(folder) for folder in jobs}
     completed = sum(status == "completed" for status, _ in statuses.values())
     stopped = [name for name, (status, _) in statuses.items() if status in ("interrupted", "not run")]
     failed = [  # "running" after the sweep: a job that died before it could say why

@@ -4,11 +4,13 @@
     trainer-report SWEEP [MORE_FOLDERS ...] [--out DIR] [--target-acc 0.94]
                    [--baseline amp=false,channels_last=false | --baseline 0]
 
-Every folder holding .hydra/ below the given folders is a job: its .hydra/overrides.yaml and
-metrics.json are read. report.md, report.csv, speedup.png and accuracy_vs_time.png go into the
-first folder (or --out) and report.md is printed. Jobs that differ only in `seed` share one row
-(mean ± std over their completed runs). A job that failed, was interrupted, is still running or
-left no metrics.json is listed with its status and no numbers; it never stops the report.
+Every folder holding .hydra/ below the given folders is a job, and so is every job of a sweep
+folder below them (its multirun.yaml), wherever the job's folder is (trainer/job_names.py):
+its .hydra/overrides.yaml and metrics.json are read. report.md, report.csv, speedup.png and
+accuracy_vs_time.png go into the first folder (or --out) and report.md is printed. Jobs that
+differ only in `seed` share one row (mean ± std over their completed runs). A job that failed,
+was interrupted, is still running or left no metrics.json is listed with its status and no
+numbers; it never stops the report.
 """
 
 from __future__ import annotations

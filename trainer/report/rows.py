@@ -14,6 +14,7 @@ import statistics
 from collections import Counter
 from dataclasses import dataclass
 
+from trainer.job_names import job_place
 from trainer.report.jobs import BOOLEANS, Job, ReportError, parse_override, short_name
 
 GROUPED_KEY = "seed"  # jobs differing only in this key are repeats of one setting
@@ -81,7 +82,8 @@ def matches(row: Row, spec: str) -> bool:
     names = {
         name
         for job in row.jobs
-        for name in (job.name, job.folder.name, str(job.folder), short_name(job.folder.name))
+        for place in (job_place(job.folder),)  # '3_amp=true,...' wherever the folder is
+        for name in (job.name, job.folder.name, str(job.folder), short_name(place.name), place.name)
     }
     if spec in names or "=" not in spec:
         return spec in names
