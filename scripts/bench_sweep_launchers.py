@@ -1,10 +1,11 @@
 """One sweep under Hydra's basic launcher (jobs one after another, in one process) and under
 hydra/launcher=parallel (jobs side by side), taking turns, in one run: wall time per launcher,
 the ratio, and per job (medians from metrics.json) its images/s (a job beside another may run
-slower than alone: the table shows by how much) and where its time went: startup_s,
+slower than alone: the table shows by how much) and where its time went: startup_s, setup_s,
 compile_s, train_time_s, eval_time_s and the job's wall_s.
 
     python scripts/bench_sweep_launchers.py --n-jobs 2 --repeats 3
+    python scripts/bench_sweep_launchers.py --n-jobs 2 --repeats 2 --warm-up   # neither starts cold
     python scripts/bench_sweep_launchers.py --n-jobs 2 -- model=fastcnn perf=fast recipe=fastcnn_94 \
         data=imagefolder data.root=~/cifar10 seed=0,1,2,3
 
@@ -52,10 +53,10 @@ def run_sweep(launcher: list[str], sweep: list[str], folder: Path) -> dict:
     return {"wall_s": wall, "returncode": result.returncode, "jobs": jobs, "tail": tail}
 
 
-# Where a job's time goes (metrics.json): set-up before the run (the process's first job: the
-# interpreter and imports; later jobs: their own start), compilation, training, evaluation,
-# and the job from its start to its record.
-JOB_PARTS = ("img_per_s", "startup_s", "compile_s", "train_time_s", "eval_time_s", "wall_s")
+# Where a job's time goes (metrics.json): before the run (the process's first job: the
+# interpreter and imports; later jobs: their own start), the run's assembly (data, model,
+# optimizer), compilation, training, evaluation, and the job from its start to its record.
+JOB_PARTS = ("img_per_s", "startup_s", "setup_s", "compile_s", "train_time_s", "eval_time_s", "wall_s")
 
 
 def job_medians(runs: list[dict]) -> list[str]:
@@ -74,6 +75,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--n-jobs", type=int, default=2, help="hydra.launcher.n_jobs of the parallel sweep")
     parser.add_argument("--repeats", type=int, default=3, help="sweeps per launcher, taking turns")
+    parser.add_argument(
+        "--warm-up",
+        action="store_true",
+        help="first one untimed sweep per launcher: torch's compile cache and Python's bytecode filled "
+        "for both, so that neither launcher's first timed sweep pays them",
+    )
     parser.add_argument("sweep", nargs="*", help="the sweep's overrides (after --)")
     args = parser.parse_args(argv)
     sweep = args.sweep or DEFAULT_SWEEP
@@ -86,6 +93,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     results: dict[str, list[dict]] = {name: [] for name in launchers}
     with tempfile.TemporaryDirectory(prefix="bench-launchers-") as root:
+        for number, (name, launcher) in enumerate(launchers.items() if args.warm_up else ()):
+            run = run_sweep(launcher, sweep, Path(root) / f"{number}-warm-up")
+            wall, code = run["wall_s"], run["returncode"]
+            print(f"  {name} | warm-up (untimed): {wall:.1f} s, exit {code}", flush=True)
         for index in range(args.repeats):
             for number, (name, launcher) in enumerate(launchers.items()):
                 run = run_sweep(launcher, sweep, Path(root) / f"{number}-{index}")
@@ -96,12 +107,14 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 if run["returncode"]:
                     print(f"  {run['tail']}", file=sys.stderr)
-    print(f"\nsweep: {' '.join(sweep)}; {os.cpu_count()} cores, {args.repeats} sweep(s) per launcher\n")
+    warmed = ", after an untimed one each" if args.warm_up else ""
+    print(f"\nsweep: {' '.join(sweep)}; {os.cpu_count()} cores, {args.repeats} sweep(s) per launcher{warmed}")
+    print()
     print(
         "| launcher | wall s (median) | spread | vs basic | per job (median): images/s | startup s "
-        "| compile s | train s | eval s | job wall s |"
+        "| setup s | compile s | train s | eval s | job wall s |"
     )
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     basic = None
     for name, runs in results.items():
         walls = [run["wall_s"] for run in runs]
