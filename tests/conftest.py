@@ -16,6 +16,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
+from trainer import Trainer
 from trainer.config import register_schema
 from trainer.job_names import in_default_layout, job_place, sweep_jobs
 from trainer.report.jobs import natural_key
@@ -149,6 +150,28 @@ def copy_sweep(sweep: Path, destination: Path, **copytree) -> Path:
     holder = sweep.parents[2] if in_default_layout(sweep) else sweep
     shutil.copytree(holder, destination, **copytree)
     return destination / sweep.relative_to(holder)
+
+
+def assert_resumes_exactly(settings: tuple[str, ...], folder: Path) -> Trainer:
+    """A run stopped (SIGTERM) after its first epoch and resumed ends with the weights of the
+    same run left alone; returns the whole run's Trainer."""
+    import signal
+
+    class StopAfterFirstEpoch(Trainer):
+        def evaluate(self) -> dict:
+            signal.raise_signal(signal.SIGTERM)
+            return super().evaluate()
+
+    whole = Trainer(compose_config(*settings), folder / "whole")
+    assert whole.fit()["status"] == "completed"
+    assert StopAfterFirstEpoch(compose_config(*settings), folder / "stopped").fit()["status"] == "interrupted"
+    resumed = Trainer(compose_config(*settings, f"resume={folder / 'stopped'}"), folder / "resumed")
+    assert resumed.fit()["status"] == "completed"
+    for (name, expected), actual in zip(
+        whole.raw_model.state_dict().items(), resumed.raw_model.state_dict().values()
+    ):
+        assert torch.equal(expected, actual), name
+    return whole
 
 
 def job_number(name: str) -> str:

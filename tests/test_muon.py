@@ -3,12 +3,11 @@ layout), SGD the rest, as one optimizer that schedulers, checkpoints and resumes
 
 from __future__ import annotations
 
-import signal
 from dataclasses import replace
 
 import pytest
 import torch
-from conftest import compose_config
+from conftest import assert_resumes_exactly, compose_config
 from torch import nn
 
 from trainer import Trainer
@@ -199,23 +198,7 @@ def test_a_run_trains_with_muon_and_resumes_exactly(tmp_path):
     """With every Muon setting off its default (the fixed norm, weight decay, momentum)."""
     muon = ("optim.muon_fixed_norm=true", "optim.muon_weight_decay=0.01", "optim.muon_momentum=0.6")
     settings = ("optim=muon", *muon, "deterministic=true", "epochs=2")
-
-    class StopAfterFirstEpoch(Trainer):
-        def evaluate(self) -> dict:
-            signal.raise_signal(signal.SIGTERM)
-            return super().evaluate()
-
-    whole = Trainer(compose_config(*settings), tmp_path / "whole")
-    assert whole.fit()["status"] == "completed" and isinstance(whole.optimizer, MuonWithSgd)
-    assert (
-        StopAfterFirstEpoch(compose_config(*settings), tmp_path / "stopped").fit()["status"] == "interrupted"
-    )
-    resumed = Trainer(compose_config(*settings, f"resume={tmp_path / 'stopped'}"), tmp_path / "resumed")
-    assert resumed.fit()["status"] == "completed"
-    for (name, expected), actual in zip(
-        whole.raw_model.state_dict().items(), resumed.raw_model.state_dict().values()
-    ):
-        assert torch.equal(expected, actual), name
+    assert isinstance(assert_resumes_exactly(settings, tmp_path).optimizer, MuonWithSgd)
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,8 @@ import math
 
 import pytest
 import torch
-from conftest import compose_config
+from conftest import assert_resumes_exactly, compose_config
+from torch import nn
 
 from trainer import Trainer
 from trainer.config import OptimConfig, Schedule
@@ -78,3 +79,70 @@ def test_the_linear_schedule_rises_from_its_start_fraction_and_falls_to_zero():
     rates = learning_rates(Schedule.linear, 0.25, 8)  # rises over 2 steps from 0.2 of the peak
     assert rates[:3] == pytest.approx([0.2 * PEAK_LR, 0.6 * PEAK_LR, PEAK_LR])
     assert rates[2:] == pytest.approx([PEAK_LR * (8 - step) / 6 for step in range(2, 8)])
+
+
+def test_the_early_parameters_fall_to_zero_by_their_epoch_and_then_stay():
+    """optim.early_epochs: fastcnn's whitening bias at the BatchNorm shifts' lr, falling to 0
+    over the early steps; the other groups keep the run's schedule."""
+    from trainer.fastcnn import fastcnn
+    from trainer.optim import build_optimizer
+
+    cfg = OptimConfig(lr=0.1, schedule=Schedule.linear, early_epochs=1, norm_bias_lr_scale=4)
+    torch.manual_seed(0)
+    model = fastcnn(10, widths=(8, 8, 8))
+    optimizer = build_optimizer(cfg, model, {}, lr=0.1)
+    scheduler = build_scheduler(cfg, optimizer, total_steps=6, early_steps=2)
+    [early] = [group for group in optimizer.param_groups if group.get("early")]
+    assert early["params"] == [model.whiten.bias] and early["lr"] == pytest.approx(0.4)
+    rates, main_rates, biases, heads = [], [], [], []
+    for _ in range(6):
+        rates.append(early["lr"])
+        main_rates.append(optimizer.param_groups[0]["lr"])
+        loss = torch.nn.functional.cross_entropy(model(torch.randn(4, 3, 32, 32)), torch.arange(4))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+        biases.append(model.whiten.bias.detach().clone())
+        heads.append(model.head.weight.detach().clone())
+    assert rates == pytest.approx([0.4, 0.2, 0, 0, 0, 0])
+    assert not torch.equal(biases[0], biases[1])  # trained at the start
+    assert all(torch.equal(biases[1], bias) for bias in biases[2:])  # still once its lr is 0
+    assert not torch.equal(heads[4], heads[5]) and min(main_rates) > 0  # the rest still trains
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fragment"),
+    [
+        (["model=cnn", "optim.schedule=linear"], "the model names no early parameters"),
+        (["model=fastcnn", "optim.schedule=onecycle"], "which onecycle cannot: set optim.schedule=linear"),
+        (
+            ["model=fastcnn", "optim.schedule=linear", "epochs=1", "optim.early_epochs=2"],
+            "is more than epochs=1",
+        ),
+    ],
+)
+def test_early_epochs_the_run_cannot_honour_are_refused_in_one_line(overrides, fragment):
+    from trainer.config import ConfigError
+
+    with pytest.raises(ConfigError) as caught:
+        Trainer(compose_config("optim.early_epochs=1", *overrides)).fit()
+    assert fragment in str(caught.value) and "\n" not in str(caught.value)
+
+
+def early_net(num_classes: int) -> nn.Module:
+    """A model of one's own that names its first conv's bias as early (model.target)."""
+
+    class EarlyNet(nn.Sequential):
+        def early_parameters(self) -> list[nn.Parameter]:
+            return [self[0].bias]
+
+    pooled = (nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, num_classes))
+    return EarlyNet(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), *pooled)
+
+
+def test_a_run_with_early_parameters_resumes_exactly(tmp_path):
+    settings = ("model.target=test_schedules:early_net", "optim.schedule=linear", "optim.early_epochs=1")
+    whole = assert_resumes_exactly((*settings, "deterministic=true", "epochs=2"), tmp_path)
+    [early] = [group for group in whole.optimizer.param_groups if group.get("early")]
+    assert early["params"] == [whole.raw_model[0].bias]

@@ -135,8 +135,9 @@ def assemble(cfg: TrainConfig, ranks: Ranks, device: torch.device) -> Parts:
     average = weight_average(cfg.ema, raw_model)
     average_gradients, sync_buffers = averages_over_ranks(ranks, raw_model, ddp_model, average)
     total_steps = step_budget(cfg, len(train_loader))
+    early_steps = cfg.optim.early_epochs * math.ceil(len(train_loader) / cfg.grad_accum_steps)
     warm_up_steps = perf.warm_up_steps(cfg, device, captured=step_graph is not None)
-    scheduler = build_scheduler(cfg.optim, optimizer, total_steps)
+    scheduler = build_scheduler(cfg.optim, optimizer, total_steps, early_steps)
     autocast = perf.autocast_context(cfg, device)  # says once where amp cannot act as asked
     log.info(
         "set-up: data %.2f s (read, decoded or cached, on the device), model and optimizer %.2f s",

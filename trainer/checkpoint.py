@@ -149,6 +149,7 @@ RESTORED_SETTINGS = (
     "optim.muon_momentum",
     "optim.muon_weight_decay",
     "optim.muon_ns_steps",
+    "optim.early_epochs",
     "model.sgd_lr",
     "model.zero_init_residual",
     "fused_optimizer",

@@ -109,6 +109,10 @@ class OptimConfig:
     # lr multiplier for BatchNorm shifts (biases); their weight decay is divided by it, so the
     # decay per step stays. Fast CIFAR nets with a fixed BatchNorm scale train them 64x faster.
     norm_bias_lr_scale: float = 1.0
+    # the model's early parameters (its early_parameters(); fastcnn: the whitening conv's bias)
+    # train only for the first N epochs, at the BatchNorm shifts' lr falling in a straight line
+    # to 0 by the end of epoch N; 0: they train all run, as the rest. Schedules linear, constant
+    early_epochs: int = 0
 
     def __post_init__(self) -> None:
         config_checks.check_optim(self)

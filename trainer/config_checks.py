@@ -14,7 +14,7 @@ import math
 import re
 from typing import TYPE_CHECKING
 
-from trainer.config_choices import CompileMode, DataSource, DecodeMode, LoaderKind, OptimizerName
+from trainer.config_choices import CompileMode, DataSource, DecodeMode, LoaderKind, OptimizerName, Schedule
 from trainer.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -81,6 +81,10 @@ def check_optim(cfg: OptimConfig) -> None:
     if cfg.muon_ns_steps < 1:
         raise ConfigError(
             f"optim.muon_ns_steps must be 1 or more, got {cfg.muon_ns_steps}: set optim.muon_ns_steps=5"
+        )
+    if cfg.early_epochs < 0:
+        raise ConfigError(
+            f"optim.early_epochs must be 0 or more, got {cfg.early_epochs}: set optim.early_epochs=0"
         )
     if not 0.0 <= cfg.label_smoothing < 1.0:
         raise ConfigError(f"optim.label_smoothing must be in [0, 1), got {cfg.label_smoothing}")
@@ -191,6 +195,17 @@ def check_combinations(cfg: TrainConfig) -> None:
             f"compile_mode={cfg.compile_mode.name} replays CUDA graphs, whose gradient buffers "
             "must be dropped between steps, not zeroed: set set_to_none=true, or "
             "compile_mode=max_autotune_no_cudagraphs"
+        )
+    if cfg.optim.early_epochs and cfg.optim.schedule not in (Schedule.linear, Schedule.constant):
+        raise ConfigError(
+            f"optim.early_epochs={cfg.optim.early_epochs} gives the early parameters a schedule of "
+            f"their own beside optim.schedule's, which {cfg.optim.schedule.value} cannot: set "
+            "optim.schedule=linear (or constant), or optim.early_epochs=0"
+        )
+    if cfg.optim.early_epochs > cfg.epochs:
+        raise ConfigError(
+            f"optim.early_epochs={cfg.optim.early_epochs} is more than epochs={cfg.epochs}: set "
+            f"optim.early_epochs={cfg.epochs} or less (0: the early parameters train all run)"
         )
     if cfg.data.source is DataSource.synthetic and min(cfg.data.train_size, cfg.data.test_size) < 1:
         raise ConfigError("data.train_size and data.test_size must be at least 1")

@@ -106,6 +106,10 @@ class FastCNN(nn.Sequential):
         filters = filters.reshape(-1, *self.whiten.weight.shape[1:]).to(self.whiten.weight)
         self.whiten.weight.copy_(torch.cat([filters, -filters]))
 
+    def early_parameters(self) -> list[nn.Parameter]:
+        """What optim.early_epochs trains only at the start: the whitening conv's bias."""
+        return [self.whiten.bias]
+
 
 def fastcnn(num_classes: int, conv_bias: bool = True, widths: tuple[int, ...] = FASTCNN_WIDTHS) -> nn.Module:
     return FastCNN(num_classes, conv_bias, widths)

@@ -6,6 +6,7 @@ schedules. Must not touch: stepping them (trainer/loop.py), the fused-kernel tog
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Callable
@@ -13,7 +14,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from trainer.config import LrScaling, OptimConfig, OptimizerName, Schedule
+from trainer.config import ConfigError, LrScaling, OptimConfig, OptimizerName, Schedule
 from trainer.muon import MuonWithSgd, build_muon_with_sgd
 
 log = logging.getLogger(__name__)
@@ -56,26 +57,45 @@ def peak_lr(cfg: OptimConfig, global_batch: int) -> float:
     return cfg.lr
 
 
+EARLY = "early"  # marks the parameter group of optim.early_epochs (build_scheduler reads it)
+
+
 def parameter_groups(cfg: OptimConfig, model: nn.Module, lr: float) -> list[dict]:
     """The trainable parameters; BatchNorm shifts in a group of their own when
-    optim.norm_bias_lr_scale is not 1."""
+    optim.norm_bias_lr_scale is not 1; with optim.early_epochs, the model's early parameters
+    in another, at the shifts' lr and weight decay."""
     trainable = [param for param in model.parameters() if param.requires_grad]
+    early = early_parameters(cfg, model)
+    shifted = {"lr": lr * cfg.norm_bias_lr_scale, "weight_decay": cfg.weight_decay / cfg.norm_bias_lr_scale}
+    groups = [{"params": [param for param in trainable if id(param) not in early]}]
+    if early:
+        early_group = [param for param in trainable if id(param) in early]
+        groups.append({"params": early_group, EARLY: True, **shifted})
     if cfg.norm_bias_lr_scale == 1:
-        return [{"params": trainable}]
+        return groups
     norms = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.GroupNorm, nn.LayerNorm)
     shifts = {
         id(module.bias)
         for module in model.modules()
         if isinstance(module, norms) and module.bias is not None and module.bias.requires_grad
     }
-    return [
-        {"params": [param for param in trainable if id(param) not in shifts]},
-        {
-            "params": [param for param in trainable if id(param) in shifts],
-            "lr": lr * cfg.norm_bias_lr_scale,
-            "weight_decay": cfg.weight_decay / cfg.norm_bias_lr_scale,
-        },
-    ]
+    groups[0]["params"] = [param for param in groups[0]["params"] if id(param) not in shifts]
+    return [*groups, {"params": [param for param in trainable if id(param) in shifts], **shifted}]
+
+
+def early_parameters(cfg: OptimConfig, model: nn.Module) -> set[int]:
+    """The ids of what the model's early_parameters() names, under optim.early_epochs."""
+    if not cfg.early_epochs:
+        return set()
+    named = getattr(model, "early_parameters", None)
+    params = [param for param in named() if param.requires_grad] if named else []
+    if not params:
+        raise ConfigError(
+            f"optim.early_epochs={cfg.early_epochs}: the model names no early parameters to train "
+            "only at the start (model=fastcnn does: its whitening conv's bias; a model of your own "
+            "defines early_parameters()): set optim.early_epochs=0"
+        )
+    return {id(param) for param in params}
 
 
 def build_optimizer(
@@ -149,9 +169,12 @@ def onecycle_pct_start(warmup_frac: float, total_steps: int) -> float:
     return warmup_frac
 
 
-def build_scheduler(cfg: OptimConfig, optimizer: torch.optim.Optimizer, total_steps: int):
+def build_scheduler(
+    cfg: OptimConfig, optimizer: torch.optim.Optimizer, total_steps: int, early_steps: int = 0
+):
     """Stepped once per optimizer step; any total_steps of 1 or more works with every schedule.
-    The peak is the lr the optimizer was built with."""
+    The peak is the lr the optimizer was built with. The group of optim.early_epochs falls in a
+    straight line from its peak to 0 over early_steps, then stays at 0 (linear and constant)."""
     if cfg.schedule is Schedule.onecycle:
         pct_start = onecycle_pct_start(cfg.warmup_frac, total_steps)
         peaks = [group["lr"] for group in optimizer.param_groups]
@@ -172,9 +195,17 @@ def build_scheduler(cfg: OptimConfig, optimizer: torch.optim.Optimizer, total_st
             base_momentum=lows,
             max_momentum=highs,
         )
-    if cfg.schedule is Schedule.linear:
-        factor = linear_warmup_decay(total_steps, cfg.warmup_frac, cfg.lr_start_frac)
-        return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
     if cfg.schedule is Schedule.cosine:
         return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, constant)
+    if cfg.schedule is Schedule.linear:
+        factor = linear_warmup_decay(total_steps, cfg.warmup_frac, cfg.lr_start_frac)
+    else:
+        factor = constant
+    early = functools.partial(falling_to_zero, max(1, early_steps))
+    factors = [early if group.get(EARLY) else factor for group in optimizer.param_groups]
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factors)
+
+
+def falling_to_zero(steps: int, step: int) -> float:
+    """1 at step 0, falling in a straight line to 0 at `steps`, 0 after (optim.early_epochs)."""
+    return max(0.0, 1 - step / steps)
