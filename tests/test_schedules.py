@@ -91,7 +91,7 @@ def test_the_early_parameters_fall_to_zero_by_their_epoch_and_then_stay():
     torch.manual_seed(0)
     model = fastcnn(10, widths=(8, 8, 8))
     optimizer = build_optimizer(cfg, model, {}, lr=0.1)
-    scheduler = build_scheduler(cfg, optimizer, total_steps=6, early_steps=2)
+    scheduler = build_scheduler(cfg, optimizer, total_steps=6, steps_per_epoch=2)
     [early] = [group for group in optimizer.param_groups if group.get("early")]
     assert early["params"] == [model.whiten.bias] and early["lr"] == pytest.approx(0.4)
     rates, main_rates, biases, heads = [], [], [], []

@@ -18,16 +18,14 @@ import contextlib
 import logging
 import math
 import os
-import random
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch import nn
 
-from trainer import evaluation, mfu, perf
+from trainer import checkpoint, evaluation, mfu, perf
 from trainer.config import ConfigError, DdpSync, FlipMode, LoaderKind, TbStep, TrainConfig
 from trainer.data import IMAGE_SIZE, Splits, gpu_loaders, load_source, torch_loaders
 from trainer.data.augment import CropFlip
@@ -122,11 +120,9 @@ def resolve_device(spec: str, ranks: Ranks, ddp: bool) -> torch.device:
 def assemble(cfg: TrainConfig, ranks: Ranks, device: torch.device) -> Parts:
     """Seeds, backend flags, then data, model and step, in that order (the model's initial
     weights are drawn after the seeds, as every run of this config draws them)."""
-    seed_everything(cfg.seed)
+    checkpoint.seed_rngs(cfg.seed)
     perf.apply_backend_flags(cfg, device)
-    started = time.perf_counter()
-    splits, train_loader, train_batches, test_batches = build_data(cfg, ranks, device)
-    setup_data_s = time.perf_counter() - started
+    splits, train_loader, train_batches, test_batches, setup_data_s = build_data(cfg, ranks, device)
     raw_model, model, ddp_model, step_graph, meter = build_network(cfg, ranks, device, splits)
     global_batch = cfg.batch_size * ranks.world_size * cfg.grad_accum_steps
     lr_peak = logged_peak_lr(cfg, global_batch)
@@ -134,16 +130,9 @@ def assemble(cfg: TrainConfig, ranks: Ranks, device: torch.device) -> Parts:
     optimizer = build_optimizer(cfg.optim, raw_model, perf.optimizer_kwargs(cfg), lr_peak, compiler)
     average = weight_average(cfg.ema, raw_model)
     average_gradients, sync_buffers = averages_over_ranks(ranks, raw_model, ddp_model, average)
-    total_steps = step_budget(cfg, len(train_loader))
-    early_steps = cfg.optim.early_epochs * math.ceil(len(train_loader) / cfg.grad_accum_steps)
-    warm_up_steps = perf.warm_up_steps(cfg, device, captured=step_graph is not None)
-    scheduler = build_scheduler(cfg.optim, optimizer, total_steps, early_steps)
-    autocast = perf.autocast_context(cfg, device)  # says once where amp cannot act as asked
-    log.info(
-        "set-up: data %.2f s (read, decoded or cached, on the device), model and optimizer %.2f s",
-        setup_data_s,
-        time.perf_counter() - started - setup_data_s,
-    )
+    steps_per_epoch = math.ceil(len(train_loader) / cfg.grad_accum_steps)
+    total_steps = step_budget(cfg, steps_per_epoch)
+    scheduler = build_scheduler(cfg.optim, optimizer, total_steps, steps_per_epoch)
     return Parts(
         setup_data_s=setup_data_s,
         device=device,
@@ -163,7 +152,7 @@ def assemble(cfg: TrainConfig, ranks: Ranks, device: torch.device) -> Parts:
         average_gradients=average_gradients,
         sync_buffers=sync_buffers,
         average=average,
-        autocast=autocast,
+        autocast=perf.autocast_context(cfg, device),  # says once where amp cannot act as asked
         scaler=perf.grad_scaler(cfg, device),
         optimizer=optimizer,
         zero_grad=perf.zero_grad(cfg, optimizer, captured=step_graph is not None),
@@ -177,7 +166,7 @@ def assemble(cfg: TrainConfig, ranks: Ranks, device: torch.device) -> Parts:
         tta_views=evaluation.tta_views(cfg.eval.tta),
         tta_unsure=cfg.eval.tta_unsure,
         target_acc=cfg.target_acc,
-        warm_up_steps=warm_up_steps,
+        warm_up_steps=perf.warm_up_steps(cfg, device, captured=step_graph is not None),
         warm_up_work=perf.warm_up_work(cfg, device, captured=step_graph is not None),
         low_res_epochs=cfg.data.low_res_epochs,
         mfu=meter,
@@ -188,12 +177,6 @@ def assemble(cfg: TrainConfig, ranks: Ranks, device: torch.device) -> Parts:
         tb_x_per_step=global_batch if cfg.tb_step is TbStep.images else 1,
         description=describe(cfg, device, ranks, splits),
     )
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
 
 
 def divergence_advice(cfg: TrainConfig, device: torch.device, lr_peak: float) -> str:
@@ -213,8 +196,10 @@ def describe(cfg: TrainConfig, device: torch.device, ranks: Ranks, splits: Split
 
 
 def build_data(cfg: TrainConfig, ranks: Ranks, device: torch.device) -> tuple:
-    """(splits, train loader, train batches, test batches): the images decoded or read once,
-    this rank's loaders over them, and their batches as the device takes them."""
+    """(splits, train loader, train batches, test batches, seconds): the images decoded or read
+    once, this rank's loaders over them, their batches as the device takes them, and the
+    seconds all this took (metrics.json's setup_data_s)."""
+    started = time.perf_counter()
     processes_per_host = int(os.environ.get("LOCAL_WORLD_SIZE", ranks.world_size))
     decoders = max(1, len(os.sched_getaffinity(0)) // processes_per_host)
     splits = load_source(cfg.data, cfg.seed, processes=decoders)
@@ -242,7 +227,8 @@ def build_data(cfg: TrainConfig, ranks: Ranks, device: torch.device) -> tuple:
     train_batches = perf.device_batches(cfg, train, device)
     if cfg.data.low_res:
         train = train_batches = LowResEpochs(train, train_batches, cfg.data.low_res, cfg.data.low_res_epochs)
-    return splits, train, train_batches, perf.device_batches(cfg, test, device)
+    test_batches = perf.device_batches(cfg, test, device)
+    return splits, train, train_batches, test_batches, time.perf_counter() - started
 
 
 def build_network(cfg: TrainConfig, ranks: Ranks, device: torch.device, splits: Splits) -> tuple:
@@ -295,9 +281,9 @@ def averages_over_ranks(ranks: Ranks, raw_model: nn.Module, ddp_model, average) 
     return gradients, perf.BufferAverage([raw_model, average.module])
 
 
-def step_budget(cfg: TrainConfig, micro_batches_per_epoch: int) -> int:
+def step_budget(cfg: TrainConfig, steps_per_epoch: int) -> int:
     """The run's optimizer steps: every epoch's, or max_steps where that comes first."""
-    total_steps = cfg.epochs * math.ceil(micro_batches_per_epoch / cfg.grad_accum_steps)
+    total_steps = cfg.epochs * steps_per_epoch
     if cfg.max_steps is not None:
         total_steps = min(total_steps, cfg.max_steps)
     if cfg.ema.enabled and cfg.ema.update_every > total_steps:

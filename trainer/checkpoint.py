@@ -51,6 +51,16 @@ def remove_partial_writes(path: Path) -> None:
         log.info("removed %s, left by a checkpoint save that was killed midway", leftover)
 
 
+def seed_rngs(seed: int) -> None:
+    """Python's, numpy's and torch's random numbers from `seed` (a run's start)."""
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
 def rng_states() -> dict:
     import numpy as np
     import torch

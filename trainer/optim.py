@@ -170,11 +170,11 @@ def onecycle_pct_start(warmup_frac: float, total_steps: int) -> float:
 
 
 def build_scheduler(
-    cfg: OptimConfig, optimizer: torch.optim.Optimizer, total_steps: int, early_steps: int = 0
+    cfg: OptimConfig, optimizer: torch.optim.Optimizer, total_steps: int, steps_per_epoch: int = 1
 ):
     """Stepped once per optimizer step; any total_steps of 1 or more works with every schedule.
     The peak is the lr the optimizer was built with. The group of optim.early_epochs falls in a
-    straight line from its peak to 0 over early_steps, then stays at 0 (linear and constant)."""
+    straight line from its peak to 0 over those epochs, then stays at 0 (linear and constant)."""
     if cfg.schedule is Schedule.onecycle:
         pct_start = onecycle_pct_start(cfg.warmup_frac, total_steps)
         peaks = [group["lr"] for group in optimizer.param_groups]
@@ -201,7 +201,7 @@ def build_scheduler(
         factor = linear_warmup_decay(total_steps, cfg.warmup_frac, cfg.lr_start_frac)
     else:
         factor = constant
-    early = functools.partial(falling_to_zero, max(1, early_steps))
+    early = functools.partial(falling_to_zero, max(1, cfg.early_epochs * steps_per_epoch))
     factors = [early if group.get(EARLY) else factor for group in optimizer.param_groups]
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factors)
 

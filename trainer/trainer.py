@@ -85,6 +85,7 @@ class Trainer:
         self.run.begin(self.parts, resume)
         self.run.setup_s = time.perf_counter() - started  # data, model, optimizer, the restore
         self.run.setup_data_s = self.parts.setup_data_s
+        log.info("set-up %.2f s, of it the data's %.2f s", self.run.setup_s, self.run.setup_data_s)
         return self
 
     def evaluate(self) -> dict:
