@@ -19,7 +19,7 @@ from hydra import compose, initialize_config_dir
 from trainer import Trainer
 from trainer.config import register_schema
 from trainer.job_names import in_default_layout, job_place, sweep_jobs
-from trainer.report.jobs import natural_key
+from trainer.report.jobs import jobs_under
 
 REPO = Path(__file__).resolve().parent.parent
 CONF = REPO / "conf"
@@ -132,9 +132,7 @@ def read_metrics(run_dir: Path) -> dict:
 def run_folders(root: Path) -> list[Path]:
     """Every run or sweep job (a folder holding .hydra/) under root, and the jobs of the sweep
     folders under it (the default layout puts them beside the single runs), in job order."""
-    found = {hydra.parent for hydra in root.rglob(".hydra")}
-    found.update(job for sweep in root.rglob("multirun.yaml") for job in sweep_jobs(sweep.parent))
-    return sorted(found, key=lambda job: natural_key(job_place(job)))
+    return jobs_under(root)
 
 
 def sweep_job(sweep: Path, number: int) -> Path:

@@ -76,11 +76,11 @@ def job_dir_name(number: int | str, overrides: list[str], sweep_dir: str) -> str
     whole; `defaults` (inside the sweep folder: the number alone) when none is left."""
     keys = swept_keys(sweep_dir)
     kept = [item for item in map(str, overrides) if keys is None or item.lstrip("+~").split("=")[0] in keys]
+    safe = overrides_text(kept)
     sweep = Path(os.path.abspath(sweep_dir))
     if in_default_layout(sweep):
-        name = overrides_text(kept) or run_dir_name(overrides)
+        name = safe or run_dir_name(overrides)
         return os.path.join(sweep.parent.parent.parent, name, f"{sweep.parent.name}_{sweep.name}_{number}")
-    safe = overrides_text(kept)
     return f"{number}_{safe}" if safe else str(number)
 
 

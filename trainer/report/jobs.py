@@ -55,16 +55,21 @@ def natural_key(path: Path) -> list:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", str(path))]
 
 
+def jobs_under(folder: Path) -> list[Path]:
+    """The runs under `folder` (folders holding .hydra/) and the jobs of the sweeps under it,
+    which the default layout puts beside the single runs instead (trainer/job_names.py), in job
+    order."""
+    found = {hydra.parent for hydra in folder.rglob(".hydra") if hydra.is_dir()}
+    found.update(job for sweep in folder.rglob("multirun.yaml") for job in sweep_jobs(sweep.parent))
+    return sorted(found, key=lambda job: natural_key(job_place(job)))
+
+
 def find_job_folders(folders: list[Path]) -> list[Path]:
     jobs = []
     for folder in folders:
         if not folder.is_dir():
             raise ReportError(f"no such folder: {folder}")
-        # the runs under it, and the jobs of the sweeps under it, which the default layout puts
-        # beside the single runs instead (trainer/job_names.py)
-        found = {hydra.parent for hydra in folder.rglob(".hydra") if hydra.is_dir()}
-        found.update(job for sweep in folder.rglob("multirun.yaml") for job in sweep_jobs(sweep.parent))
-        found = sorted(found, key=lambda job: natural_key(job_place(job)))
+        found = jobs_under(folder)
         if not found:
             raise ReportError(f"no job folders (folders holding .hydra/) under {folder}")
         jobs.extend(found)
