@@ -74,7 +74,7 @@ def test_help_lists_the_groups_and_points_to_every_key(tmp_path):
         "  model  cnn*, fastcnn, resnet18",
         "  optim  adamw, muon, sgd*",
         "  perf   baseline, default*, fast",
-        "  recipe default*, fastcnn_94, resnet18_94, resnet18_94_2gpu",
+        "  recipe default*, fastcnn_94, resnet18_94, resnet18_94_2gpu, resnet18_94_sgd",
     ]
     assert "_schema" not in help_text
     assert "python -m trainer [group=option ...] --cfg job" in help_text

@@ -16,9 +16,12 @@ from conftest import SMALL, compose_config, run_cli
 from PIL import Image
 
 from trainer import Trainer
+from trainer.assembly import build_data
 from trainer.config import to_train_config
 from trainer.data import CorruptImageError, Splits, load_source, torch_loaders
+from trainer.data.example_folder import write_folder
 from trainer.data.sources.synthetic import synthetic_split
+from trainer.distributed import Ranks
 from trainer.perf import dataloader_kwargs, worker_count
 
 CLASSES = ("cat", "dog", "ship")
@@ -142,16 +145,39 @@ def test_dataloader_workers_are_forked_where_the_platform_can():
 
 
 @pytest.mark.parametrize(
-    "device, cores, processes, expected",
-    [("cpu", 16, 1, 0), ("cuda", 16, 1, 4), ("cuda", 32, 2, 4), ("cuda", 6, 2, 2), ("cuda", 2, 1, 1)],
+    "device, cores, processes, in_memory, expected",
+    [
+        ("cpu", 16, 1, False, 0),
+        ("cuda", 16, 1, False, 4),
+        ("cuda", 32, 2, False, 4),
+        ("cuda", 6, 2, False, 2),
+        ("cuda", 2, 1, False, 1),
+        ("cuda", 16, 1, True, 0),
+        ("cuda", 32, 2, True, 0),
+    ],
 )
-def test_num_workers_auto(monkeypatch, device, cores, processes, expected):
+def test_num_workers_auto(monkeypatch, device, cores, processes, in_memory, expected):
     monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(cores)))
     cfg = to_train_config(compose_config())
 
     assert cfg.num_workers == "auto"
-    assert worker_count(cfg, torch.device(device), processes) == expected
-    assert worker_count(to_train_config(compose_config("num_workers=3")), torch.device(device), 1) == 3
+    assert worker_count(cfg, torch.device(device), processes, in_memory) == expected
+    three = to_train_config(compose_config("num_workers=3"))
+    assert worker_count(three, torch.device(device), 1, in_memory) == 3
+
+
+def test_num_workers_auto_starts_workers_only_for_images_decoded_file_by_file(monkeypatch, tmp_path):
+    """The loader a run builds: no worker processes over decoded images, workers where each
+    batch decodes its files."""
+    write_folder(tmp_path, train=100, test=100, seed=0)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(8)))
+    cuda = torch.device("cuda")  # the worker count is decided before anything touches the device
+    for decode, expected in (("once", 0), ("every_epoch", 4)):
+        folder = ("data=imagefolder", f"data.root={tmp_path}", f"data.decode={decode}")
+        cfg = to_train_config(compose_config(*folder, "batch_size=50"))
+        monkeypatch.setattr("trainer.perf.device_batches", lambda _cfg, loader, _device: loader)
+        _, train, _, test, _ = build_data(cfg, Ranks(), cuda)
+        assert (train.num_workers, test.num_workers) == (expected, expected)
 
 
 def test_baseline_turns_the_input_pipeline_off_and_the_default_turns_it_on():

@@ -89,7 +89,7 @@ def test_a_built_wheel_runs_from_any_folder_with_the_configs_inside(tmp_path):
 
     help_text = run(str(script), "--help", cwd=elsewhere, env=env).stdout
     assert "model  cnn, fastcnn, resnet18*" in help_text  # the groups, read from the configs inside the wheel
-    assert "recipe default*, fastcnn_94, resnet18_94, resnet18_94_2gpu" in help_text
+    assert "recipe default*, fastcnn_94, resnet18_94, resnet18_94_2gpu, resnet18_94_sgd" in help_text
 
     # The sweep report travels in the wheel too: as a module and as a command, on the run above.
     report_help = run(str(python), "-m", "trainer.report", "--help", cwd=elsewhere, env=env).stdout

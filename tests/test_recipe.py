@@ -80,7 +80,7 @@ def test_the_default_recipe_smooths_alternates_the_flip_and_evaluates_with_flip_
     assert to_train_config(compose_config("optim=adamw", small=False)).optim.lr == 0.001
 
 
-@pytest.mark.parametrize("recipe", ["resnet18_94", "fastcnn_94"])
+@pytest.mark.parametrize("recipe", ["resnet18_94", "resnet18_94_sgd", "fastcnn_94"])
 def test_recipe_presets_set_how_to_train_and_leave_speed_to_perf(recipe):
     plain = to_train_config(compose_config("perf=fast", small=False))
     cfg = to_train_config(compose_config("perf=fast", f"recipe={recipe}", small=False))
@@ -96,8 +96,21 @@ def test_recipe_presets_set_how_to_train_and_leave_speed_to_perf(recipe):
     assert fastcnn_94.optim.name is OptimizerName.muon and fastcnn_94.optim.muon_fixed_norm
 
 
-def test_the_two_gpu_recipe_is_the_one_gpu_recipe_at_twice_the_batch_with_its_own_lr_and_epochs():
-    one = OmegaConf.to_container(compose_config("perf=fast", "recipe=resnet18_94", small=False))
+def test_resnet18_94_is_the_sgd_recipe_with_muon_for_the_convolutions_and_fewer_epochs():
+    sgd = to_train_config(compose_config("perf=fast", "recipe=resnet18_94_sgd", small=False))
+    muon = to_train_config(compose_config("perf=fast", "recipe=resnet18_94", small=False))
+    assert sgd.optim.name is OptimizerName.sgd and muon.optim.name is OptimizerName.muon
+    assert (muon.optim.muon_lr, muon.optim.muon_momentum, muon.optim.muon_ns_steps) == (0.12, 0.6, 3)
+    assert muon.optim.muon_fixed_norm and muon.epochs == 14 < sgd.epochs
+    assert muon.data.low_res_epochs < muon.eval.from_epoch <= muon.epochs
+    assert (muon.batch_size, muon.eval.tta) == (sgd.batch_size, sgd.eval.tta)
+    assert muon.data.cutout == sgd.data.cutout
+    same = ("lr", "schedule", "label_smoothing", "weight_decay")
+    assert [getattr(muon.optim, key) for key in same] == [getattr(sgd.optim, key) for key in same]
+
+
+def test_the_two_gpu_recipe_is_the_sgd_recipe_at_twice_the_batch_with_its_own_lr_and_epochs():
+    one = OmegaConf.to_container(compose_config("perf=fast", "recipe=resnet18_94_sgd", small=False))
     two = OmegaConf.to_container(compose_config("perf=fast", "recipe=resnet18_94_2gpu", small=False))
 
     def flat(tree: dict, prefix: str = "") -> dict:

@@ -217,7 +217,8 @@ def build_data(cfg: TrainConfig, ranks: Ranks, device: torch.device) -> tuple:
             perf.cannot_act("data.loader=gpu", f"device is {device}: the dataset stays in host memory")
         train, test = gpu_loaders(splits, device=device, **common)
     else:
-        loader_kwargs = perf.dataloader_kwargs(cfg, device, processes_per_host)
+        in_memory = splits.train.images is not None
+        loader_kwargs = perf.dataloader_kwargs(cfg, device, processes_per_host, in_memory)
         train, test = torch_loaders(splits, loader_kwargs=loader_kwargs, **common)
     if len(train) == 0:
         raise ConfigError(

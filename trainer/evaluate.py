@@ -125,7 +125,7 @@ def evaluate_run(
     cfg = with_overrides(state["config"], overrides)
     device = resolve_device(cfg.device, Ranks(), ddp=False)
     splits = load_source(cfg.data, cfg.seed)
-    kwargs = perf.dataloader_kwargs(cfg, device)
+    kwargs = perf.dataloader_kwargs(cfg, device, in_memory=splits.test.images is not None)
     _, test = torch_loaders(splits, False, cfg.batch_size, cfg.seed, 0, 1, loader_kwargs=kwargs)
     model = build_model(cfg.model, num_classes=len(splits.classes))
     weights_name, weights = evaluated_weights(state)
