@@ -15,6 +15,7 @@ from trainer.config import ConfigError, OptimConfig, OptimizerName, TrainerError
 from trainer.muon import MuonWithSgd
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.perf import optimizer_compiler
+from trainer.perf.graphed import CudaGraphed
 
 MUON = OptimConfig(name=OptimizerName.muon, lr=0.1, momentum=0.9, muon_lr=0.05, muon_momentum=0.9)
 
@@ -154,8 +155,20 @@ def test_the_muon_step_compiles_without_cuda_graphs_of_its_own(monkeypatch, mode
     modes = []
     monkeypatch.setattr(torch, "compile", lambda function, mode, dynamic: modes.append(mode) or function)
     settings = ("compile=true", f"compile_mode={model_mode}", "set_to_none=true")
-    optimizer_compiler(to_train_config(compose_config(*settings)), torch.device("cuda"))(len)
+    wrapped = optimizer_compiler(to_train_config(compose_config(*settings)), torch.device("cuda"))(len)
     assert modes == [step_mode]
+    # the modes that ask for CUDA graphs get them, in a graph of the step's own (graphed.py)
+    assert isinstance(wrapped, CudaGraphed) == (model_mode != "default")
+
+
+def test_the_muon_step_is_a_cuda_graph_where_the_run_asks_for_graphs_on_cuda():
+    def compiler(device: str, *settings: str):
+        return optimizer_compiler(to_train_config(compose_config(*settings)), torch.device(device))
+
+    graphed = compiler("cuda", "compile=false", "step_graph=true")(len)
+    assert isinstance(graphed, CudaGraphed) and graphed.function is len  # eager, replayed as a graph
+    assert compiler("cuda", "compile=false") is None
+    assert compiler("cpu", "compile=false", "step_graph=true") is None  # CUDA graphs need CUDA
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="reduce-overhead's CUDA graphs: needs a CUDA GPU")

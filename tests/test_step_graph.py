@@ -101,6 +101,7 @@ def trained_weights(tmp_path, *overrides: str) -> tuple[dict, dict]:
         (),
         ("data.low_res=24", "data.low_res_epochs=1"),  # two shapes: a graph each, gradients swapped
         ("amp=true", "amp_dtype=bf16", "channels_last=true", "fused_optimizer=true"),
+        ("optim=muon", "optim.muon_fixed_norm=true", "optim.muon_ns_steps=3"),  # Muon's graph too
     ],
 )
 def test_captured_step_trains_the_same_weights(tmp_path, extra):

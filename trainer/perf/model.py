@@ -10,12 +10,14 @@ import logging
 import sys
 import threading
 from collections.abc import Callable
+from functools import partial
 
 import torch
 from torch import nn
 
 from trainer.config import CompileMode, ConfigError, TrainConfig
 from trainer.perf.ddp import unused_ddp_toggles
+from trainer.perf.graphed import CudaGraphed
 from trainer.perf.notes import cannot_act, say_once
 
 
@@ -106,14 +108,20 @@ def prepare_model(
 
 
 def optimizer_compiler(cfg: TrainConfig, device: torch.device) -> Callable[[Callable], Callable] | None:
-    """compile=true also compiles the arithmetic an optimizer of ours runs outside torch's own
-    kernels (optim=muon's orthogonalization), in the model's mode without CUDA graphs of its own:
-    graphs of its own would overwrite the outputs of the model's graphs, still in use by the step."""
-    if not cfg.compile:
-        return None
-    mode = CompileMode(compile_mode(cfg, device))
-    mode = WITHOUT_CUDA_GRAPHS.get(mode, mode).value
-    return lambda function: torch.compile(function, mode=mode, dynamic=False)
+    """What wraps the arithmetic an optimizer of ours runs outside torch's own kernels (optim=muon's
+    orthogonalization): compile=true compiles it in the model's mode without torch.compile's CUDA
+    graphs (those would overwrite the outputs of the model's graphs, still in use by the step);
+    where the run asks for CUDA graphs on CUDA (step_graph=true, compile_mode=reduce_overhead or
+    max_autotune) it is then replayed as a CUDA graph of its own (trainer/perf/graphed.py)."""
+    compile_step = None
+    if cfg.compile:
+        mode = CompileMode(compile_mode(cfg, device))
+        mode = WITHOUT_CUDA_GRAPHS.get(mode, mode).value
+        compile_step = partial(torch.compile, mode=mode, dynamic=False)
+    wants_graphs = cfg.step_graph or (cfg.compile and cfg.compile_mode in WITHOUT_CUDA_GRAPHS)
+    if device.type != "cuda" or not wants_graphs:
+        return compile_step
+    return lambda function: CudaGraphed(compile_step(function) if compile_step else function)
 
 
 def fresh_compile() -> None:
