@@ -19,6 +19,7 @@ from trainer import Trainer
 from trainer.assembly import build_data
 from trainer.config import to_train_config
 from trainer.data import CorruptImageError, Splits, load_source, torch_loaders
+from trainer.data.augment import DEFAULT_CROP_FLIP, CropFlip
 from trainer.data.example_folder import write_folder
 from trainer.data.sources.synthetic import synthetic_split
 from trainer.distributed import Ranks
@@ -48,21 +49,25 @@ def data_config(root, *overrides: str):
     return to_train_config(compose_config("data=imagefolder", f"data.root={root}", *overrides)).data
 
 
-def epoch_batches(splits, epoch: int, **loader_kwargs) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    train, _ = torch_loaders(splits, True, 8, 0, 0, 1, loader_kwargs)
+def epoch_batches(
+    splits, epoch: int, crop_flip: CropFlip = DEFAULT_CROP_FLIP, **loader_kwargs
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    train, _ = torch_loaders(splits, True, 8, 0, 0, 1, loader_kwargs, crop_flip=crop_flip)
     train.set_epoch(epoch)
     return list(train)
 
 
-def test_decoding_once_gives_the_batches_of_decoding_every_epoch(image_folder):
+@pytest.mark.parametrize("padding_mode", ["constant", "reflect"])
+def test_decoding_once_gives_the_batches_of_decoding_every_epoch(image_folder, padding_mode):
+    crop_flip = CropFlip(padding_mode=padding_mode)
     once = load_source(data_config(image_folder, "data.decode=once"), seed=0, processes=2)
     every_epoch = load_source(data_config(image_folder, "data.decode=every_epoch"), seed=0)
 
     assert once.train.images.shape == (49, 3, 32, 32) and every_epoch.train.images is None
     assert once.classes == list(CLASSES) and len(every_epoch.test) == 18
     for epoch in (0, 1):
-        held = epoch_batches(once, epoch)
-        decoded = epoch_batches(every_epoch, epoch, num_workers=2)
+        held = epoch_batches(once, epoch, crop_flip)
+        decoded = epoch_batches(every_epoch, epoch, crop_flip, num_workers=2)
         assert len(held) == len(decoded) == 49 // 8
         for (a, labels_a), (b, labels_b) in zip(held, decoded):
             assert a.dtype == torch.uint8 and torch.equal(a, b) and torch.equal(labels_a, labels_b)

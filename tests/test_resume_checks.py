@@ -197,6 +197,7 @@ APPLIED_SETTINGS = (  # read afresh by the resumed run: a change applies, and is
     "data.test_size",
     "data.augment",
     "data.crop_padding",
+    "data.padding_mode",
     "data.flip",
     "data.loader",
     "data.decode",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import pytest
 import torch
 from conftest import compose_config
@@ -12,7 +13,7 @@ from torch import nn
 from trainer import Trainer, perf
 from trainer.config import to_train_config
 from trainer.data import GpuLoader, ImageSplit, Splits, crop_and_flip, gpu_loaders, torch_loaders
-from trainer.data.augment import CUTOUT_FILL
+from trainer.data.augment import CUTOUT_FILL, DEFAULT_CROP_FLIP, CropFlip
 from trainer.models import CheckpointedStage, build_model
 from trainer.perf import Moved, cpu_bf16
 
@@ -345,11 +346,15 @@ def coordinate_images(count: int) -> torch.Tensor:
     return images.to(torch.uint8)
 
 
-def coordinate_loaders(count: int, batch_size: int, cutout: int = 0, **kwargs) -> dict:
+def coordinate_loaders(
+    count: int, batch_size: int, cutout: int = 0, crop_flip: CropFlip = DEFAULT_CROP_FLIP, **kwargs
+) -> dict:
     """Both loaders over the same coordinate images (uint8 batches, not yet normalized)."""
     images = coordinate_images(count)
     splits = Splits(ImageSplit(torch.arange(count), images), ImageSplit(torch.arange(count), images), [])
-    common = dict(augment=True, batch_size=batch_size, seed=0, rank=0, world_size=1, cutout=cutout)
+    common = dict(
+        augment=True, batch_size=batch_size, seed=0, rank=0, world_size=1, cutout=cutout, crop_flip=crop_flip
+    )
     train_gpu, _ = gpu_loaders(splits, device=torch.device("cpu"), **common)
     train_torch, _ = torch_loaders(splits, loader_kwargs=kwargs, **common)
     return {"gpu": train_gpu, "torch": train_torch}
@@ -377,8 +382,10 @@ def test_loader_augmentation_statistics(kind):
     assert torch.equal(torch.cat(seen).sort().values, torch.arange(count))  # a permutation
 
 
-def test_both_loaders_give_the_same_batches_whatever_the_worker_count():
-    loaders = coordinate_loaders(600, 100, cutout=12, num_workers=2)
+@pytest.mark.parametrize("padding_mode", ["constant", "reflect"])
+def test_both_loaders_give_the_same_batches_whatever_the_worker_count(padding_mode):
+    crop_flip = CropFlip(padding_mode=padding_mode)
+    loaders = coordinate_loaders(600, 100, cutout=12, crop_flip=crop_flip, num_workers=2)
     for epoch in (0, 3):
         for loader in loaders.values():
             loader.set_epoch(epoch, skip_batches=1)
@@ -386,9 +393,47 @@ def test_both_loaders_give_the_same_batches_whatever_the_worker_count():
         assert len(gpu) == len(torch_path) == 5
         for (gpu_images, gpu_labels), (images, labels) in zip(gpu, torch_path):
             assert torch.equal(gpu_images, images) and torch.equal(gpu_labels, labels)
-    in_process = coordinate_loaders(600, 100, cutout=12)["torch"]
+    in_process = coordinate_loaders(600, 100, cutout=12, crop_flip=crop_flip)["torch"]
     in_process.set_epoch(3, skip_batches=1)
     assert all(torch.equal(a[0], b[0]) for a, b in zip(in_process, torch_path))
+
+
+def reference_crops(images: np.ndarray, padding: int, mode: str, draws: tuple) -> np.ndarray:
+    """Each image padded by np.pad in `mode`, cropped at its drawn (top, left), mirrored where
+    drawn: the crops, one image at a time."""
+    sides = (padding, padding)
+    padded = np.pad(images, ((0, 0), (0, 0), sides, sides), mode=mode)
+    crops = [image[:, y : y + 32, x : x + 32] for image, y, x in zip(padded, *draws[:2])]
+    return np.stack([crop[..., ::-1] if mirrored else crop for crop, mirrored in zip(crops, draws[2])])
+
+
+@pytest.mark.parametrize("mode", ["constant", "reflect"])
+def test_padding_mode_fills_the_crops_border_with_zeros_or_the_mirrored_image(mode):
+    """A crop at the top (bottom) offset starts (ends) with 4 rows of padding: zeros, or source
+    rows 4..1 (30..27), mirrored about the edge row, which is not repeated. Both loaders."""
+    count, crop_flip = 256, CropFlip(4, padding_mode=mode)
+    loaders = coordinate_loaders(count, count, crop_flip=crop_flip)
+    [(images, labels)], [(torch_images, torch_labels)] = list(loaders["gpu"]), list(loaders["torch"])
+    assert torch.equal(images, torch_images) and torch.equal(labels, torch_labels)
+    draws = crop_flip.draw(0, 0, labels.numpy())
+    rows = images[:, 0, :, 16]  # channel 0: the source row + 1, 0 in zero padding
+    above, below = ([5, 4, 3, 2], [31, 30, 29, 28]) if mode == "reflect" else ([0] * 4, [0] * 4)
+    at_top, at_bottom = rows[draws[0] == 0], rows[draws[0] == 8]
+    assert len(at_top) and len(at_bottom)
+    assert (at_top[:, :4] == torch.tensor(above)).all() and (at_bottom[:, -4:] == torch.tensor(below)).all()
+    expected = reference_crops(coordinate_images(count).numpy()[labels], 4, mode, draws)
+    assert np.array_equal(images.numpy(), expected)
+
+
+def test_data_padding_mode_reflect_reaches_the_training_crops_at_the_widest_padding(tmp_path):
+    trainer = built(tmp_path, "data.padding_mode=reflect", "data.crop_padding=16")
+    loader = trainer.train_loader
+    loader.set_epoch(1)
+    images, _ = next(iter(loader))
+    index = loader.sampler.epoch_indices()[: len(images)]
+    draws = loader.dataset.crop_flip.draw(trainer.cfg.seed, 1, index)
+    expected = reference_crops(loader.dataset.images[index], 16, "reflect", draws)
+    assert np.array_equal(images.numpy(), expected)
 
 
 def test_cutout_blanks_a_square_of_the_mean_colour_anywhere_in_the_image():

@@ -210,7 +210,9 @@ def build_data(cfg: TrainConfig, ranks: Ranks, device: torch.device) -> tuple:
         rank=ranks.rank,
         world_size=ranks.world_size,
         cutout=cfg.data.cutout,
-        crop_flip=CropFlip(cfg.data.crop_padding, alternate_flip=cfg.data.flip is FlipMode.alternating),
+        crop_flip=CropFlip(
+            cfg.data.crop_padding, cfg.data.flip is FlipMode.alternating, cfg.data.padding_mode.value
+        ),
     )
     if cfg.data.loader is LoaderKind.gpu:
         if device.type != "cuda":

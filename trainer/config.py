@@ -36,6 +36,7 @@ from trainer.config_choices import (
     LrScaling,
     ModelName,
     OptimizerName,
+    PaddingMode,
     Schedule,
     TbStep,
     TtaMode,
@@ -65,8 +66,9 @@ class DataConfig:
     download: bool = True  # cifar10: download into root when absent
     train_size: int = 5_000  # synthetic: training images
     test_size: int = 1_000  # synthetic: test images
-    augment: bool = True  # random crop 32 of the zero-padded image + horizontal flip (training only)
-    crop_padding: int = 4  # augment: zero padding on each side, so shifts of up to this many pixels
+    augment: bool = True  # random crop 32 of the padded image + horizontal flip (training only)
+    crop_padding: int = 4  # augment: padding on each side, so shifts of up to this many pixels
+    padding_mode: PaddingMode = PaddingMode.constant  # augment: what fills it, zeros or the mirrored image
     flip: FlipMode = FlipMode.random  # augment: how the horizontal flip is drawn
     loader: LoaderKind = LoaderKind.torch  # torch DataLoader, or gpu-resident tensors
     decode: DecodeMode = DecodeMode.auto  # imagefolder: when image files are decoded

@@ -24,6 +24,7 @@ MAX_SEED = 2**32 - 1  # numpy's generator takes seeds in [0, 2**32)
 
 
 def check_data(cfg: DataConfig) -> None:
+    # at most 16 also keeps data.padding_mode=reflect valid: torch's needs less than the image's 32
     if not 0 <= cfg.crop_padding <= 16:
         raise ConfigError(
             f"data.crop_padding must be 0 to 16 pixels, got {cfg.crop_padding}: set e.g. data.crop_padding=4"

@@ -72,6 +72,11 @@ class FlipMode(Enum):
     alternating = "alternating"  # drawn for the first epoch, inverted every other epoch after
 
 
+class PaddingMode(Enum):
+    constant = "constant"  # zeros (black)
+    reflect = "reflect"  # the image mirrored at its edge, the edge pixel not repeated (torch's reflect)
+
+
 class TtaMode(Enum):
     none = "none"
     flip = "flip"  # the image and its mirror

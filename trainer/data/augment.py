@@ -60,17 +60,24 @@ def augmentation(
 
 @dataclass(frozen=True)
 class CropFlip:
-    """A loader's crop and flip settings (data.crop_padding, data.flip), drawn per epoch by
-    `augmentation`."""
+    """A loader's crop and flip settings (data.crop_padding, data.flip, data.padding_mode):
+    the padded images to crop from, and each epoch's crops and flips drawn by `augmentation`."""
 
     padding: int = PADDING
     alternate_flip: bool = False
+    padding_mode: str = "constant"  # np.pad's mode: "constant" (zeros) or "reflect"
 
     def draw(self, seed: int, epoch: int, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         return augmentation(seed, epoch, indices, self.padding, self.alternate_flip)
 
+    def pad(self, images: np.ndarray) -> np.ndarray:
+        """(N, C, H, W) uint8 -> padded by `padding` on each side of H and W. Every loader pads
+        here, on the host: torch's reflect padding does not take uint8 on every device."""
+        sides = (self.padding, self.padding)
+        return np.pad(images, ((0, 0), (0, 0), sides, sides), mode=self.padding_mode)
 
-DEFAULT_CROP_FLIP = CropFlip()  # 4-pixel padding, a random flip each epoch
+
+DEFAULT_CROP_FLIP = CropFlip()  # 4-pixel zero padding, a random flip each epoch
 
 
 def cutout_corners(seed: int, epoch: int, indices: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -115,11 +122,6 @@ def epoch_order(count: int, seed: int, epoch: int, rank: int, world_size: int) -
 def rank_shard(size: int, rank: int, world_size: int) -> np.ndarray:
     """Every index exactly once across ranks (for evaluation: no padding, no duplicates)."""
     return np.arange(rank, size, world_size)
-
-
-def pad(images: np.ndarray, padding: int = PADDING) -> np.ndarray:
-    """(N, C, H, W) uint8 -> zero-padded by `padding` on each side of H and W."""
-    return np.pad(images, ((0, 0), (0, 0), (padding, padding), (padding, padding)))
 
 
 def crop_windows(padded: np.ndarray) -> np.ndarray:

@@ -24,7 +24,6 @@ from trainer.data.augment import (
     cutout_corners,
     cutout_numpy,
     epoch_order,
-    pad,
     rank_shard,
 )
 from trainer.data.sources import ImageSplit, decode_image
@@ -83,7 +82,7 @@ class MemoryBatches(Dataset):
         self.labels, self.seed, self.augment, self.cutout = split.labels, seed, augment, cutout
         self.crop_flip = crop_flip
         self.images = split.images.numpy()
-        self.padded = pad(self.images, crop_flip.padding) if augment else None
+        self.padded = crop_flip.pad(self.images) if augment else None
         self.windows = crop_windows(self.padded) if augment else None
 
     def __getstate__(self) -> dict:
@@ -127,7 +126,7 @@ class FileBatches(Dataset):
         if self.augment:
             crops = self.crop_flip.draw(self.seed, epoch, index)
             images = crop_and_flip_numpy(
-                crop_windows(pad(images, self.crop_flip.padding)), np.arange(len(index)), *crops
+                crop_windows(self.crop_flip.pad(images)), np.arange(len(index)), *crops
             )
         images = with_cutout(images, self.seed, epoch, index, self.cutout)
         return torch.from_numpy(images), self.labels[index]

@@ -53,8 +53,16 @@ class GpuLoader:
         self.augment = augment and train
         self.cutout = cutout if train else 0
         self.seed = seed
-        self.images = F.pad(images, (crop_flip.padding,) * 4) if self.augment else images
+        self.images = self.padded(images) if self.augment else images
         self.batches = EpochBatches(len(labels), batch_size, seed, rank, world_size, train)
+
+    def padded(self, images: torch.Tensor) -> torch.Tensor:
+        """The images padded once for the crops, as the DataLoader path pads them (CropFlip.pad):
+        zeros on the device; a reflection on the host (torch's reflect padding does not take
+        uint8 on every device), then moved over."""
+        if self.crop_flip.padding_mode == "constant":
+            return F.pad(images, (self.crop_flip.padding,) * 4)
+        return torch.from_numpy(self.crop_flip.pad(images.cpu().numpy())).to(self.device)
 
     def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
         self.batches.set_epoch(epoch, skip_batches)
