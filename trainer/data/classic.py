@@ -59,9 +59,13 @@ class EpochBatches(Sampler):
     def epoch_indices(self) -> np.ndarray:
         """The images of this epoch's remaining batches, in order (len(self) batches of them)."""
         if self.train:
-            order = epoch_order(self.count, self.seed, self.epoch, self.rank, self.world_size)
-            return order[self.skip * self.batch_size : (self.skip + len(self)) * self.batch_size]
+            return self.training_indices(self.epoch)[self.skip * self.batch_size :]
         return rank_shard(self.count, self.rank, self.world_size)
+
+    def training_indices(self, epoch: int) -> np.ndarray:
+        """The images of every batch of a training epoch, from its first, in order."""
+        order = epoch_order(self.count, self.seed, epoch, self.rank, self.world_size)
+        return order[: self.count // self.world_size // self.batch_size * self.batch_size]
 
     def __iter__(self) -> Iterator[EpochBatch]:
         indices = self.epoch_indices()
