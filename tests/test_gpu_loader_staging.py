@@ -3,6 +3,7 @@ epoch is the one a fresh loader would make, and a resume into another epoch or b
 
 from __future__ import annotations
 
+import pytest
 import torch
 from test_toggles import coordinate_loaders
 
@@ -17,12 +18,17 @@ def batches(loader, epoch: int, skip: int = 0) -> list:
 def assert_same(got: list, expected: list) -> None:
     assert len(got) == len(expected) > 0
     for (images, labels), (want_images, want_labels) in zip(got, expected):
-        assert torch.equal(images, want_images) and torch.equal(labels, want_labels)
+        assert torch.equal(images.cpu(), want_images) and torch.equal(labels.cpu(), want_labels)
 
 
-def test_consecutive_epochs_use_the_staged_images_and_they_are_the_fresh_ones():
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+DEVICES = ["cpu", pytest.param("cuda", marks=needs_cuda)]
+
+
+@pytest.mark.parametrize("device", DEVICES)  # on CUDA the draws come over from page-locked memory
+def test_consecutive_epochs_use_the_staged_images_and_they_are_the_fresh_ones(device):
     flip = CropFlip(alternate_flip=True)
-    loaders = coordinate_loaders(600, 100, cutout=12, crop_flip=flip)
+    loaders = coordinate_loaders(600, 100, cutout=12, crop_flip=flip, device=device)
     staging, reference = loaders["gpu"], loaders["torch"]
     for epoch in range(3):
         got = batches(staging, epoch)

@@ -347,15 +347,21 @@ def coordinate_images(count: int) -> torch.Tensor:
 
 
 def coordinate_loaders(
-    count: int, batch_size: int, cutout: int = 0, crop_flip: CropFlip = DEFAULT_CROP_FLIP, **kwargs
+    count: int,
+    batch_size: int,
+    cutout: int = 0,
+    crop_flip: CropFlip = DEFAULT_CROP_FLIP,
+    device: str = "cpu",
+    **kwargs,
 ) -> dict:
-    """Both loaders over the same coordinate images (uint8 batches, not yet normalized)."""
+    """Both loaders over the same coordinate images (uint8 batches, not yet normalized); the
+    GPU-resident one on `device`."""
     images = coordinate_images(count)
     splits = Splits(ImageSplit(torch.arange(count), images), ImageSplit(torch.arange(count), images), [])
     common = dict(
         augment=True, batch_size=batch_size, seed=0, rank=0, world_size=1, cutout=cutout, crop_flip=crop_flip
     )
-    train_gpu, _ = gpu_loaders(splits, device=torch.device("cpu"), **common)
+    train_gpu, _ = gpu_loaders(splits, device=torch.device(device), **common)
     train_torch, _ = torch_loaders(splits, loader_kwargs=kwargs, **common)
     return {"gpu": train_gpu, "torch": train_torch}
 
