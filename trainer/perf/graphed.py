@@ -73,9 +73,16 @@ class CudaGraphed:
             for _ in range(EAGER_CALLS):
                 self.function(*static_args)
         torch.cuda.current_stream().wait_stream(side)
+        from torch._dynamo import config as dynamo_config  # loaded by then: the optimizer's import
+
         graph = torch.cuda.CUDAGraph()
-        # thread_local: a DataLoader's pin-memory thread may use CUDA while this captures
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        # thread_local: a DataLoader's pin-memory thread may use CUDA while this captures. A
+        # compiled function called with the warm-up's very arguments does not recompile; should
+        # its guards ever differ, the error says so instead of a compile inside the capture.
+        with (
+            dynamo_config.patch(error_on_recompile=True),
+            torch.cuda.graph(graph, capture_error_mode="thread_local"),
+        ):
             outputs = self.function(*static_args)
         return Captured(graph, inputs, outputs)
 

@@ -117,6 +117,8 @@ class CudaPrefetcher:
             batch = next(batches, None)
             if batch is None:
                 return None
+            if batch[0].is_cuda:  # made on the compute stream (data.loader=gpu): read it once written
+                self.stream.wait_stream(compute)
             with torch.cuda.stream(self.stream):
                 return self.move(batch)
 
