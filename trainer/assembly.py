@@ -121,8 +121,6 @@ def assemble(cfg: TrainConfig, ranks: Ranks, device: torch.device) -> Parts:
     """Seeds, backend flags, then data, model and step, in that order (the model's initial
     weights are drawn after the seeds, as every run of this config draws them)."""
     checkpoint.seed_rngs(cfg.seed)
-    if device.type == "cuda":  # device=cuda:N: streams and CUDA graphs are made on the current device
-        torch.cuda.set_device(device)
     perf.apply_backend_flags(cfg, device)
     splits, train_loader, train_batches, test_batches, setup_data_s = build_data(cfg, ranks, device)
     raw_model, model, ddp_model, step_graph, meter = build_network(cfg, ranks, device, splits)

@@ -80,6 +80,8 @@ class Trainer:
         started = time.perf_counter()
         self.ranks = ranks = ranks or self.ranks or Ranks()
         self.run.device = device = resolve_device(self.cfg.device, ranks, self.cfg.ddp)
+        if device.type == "cuda":  # device=cuda:N: streams and CUDA graphs are made on the current device
+            torch.cuda.set_device(device)
         resume = self.run.load_resume()
         self.parts = assemble(self.cfg, ranks, device)
         self.run.begin(self.parts, resume)
