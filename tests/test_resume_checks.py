@@ -147,6 +147,24 @@ def test_resuming_a_finished_run_leaves_its_checkpoint_and_removes_a_partial_sav
     assert saved["step"] == 2
 
 
+def test_a_failed_runs_record_removes_a_metrics_write_its_killed_rank_left(tmp_path, monkeypatch):
+    """A rank stopped by the launcher amid writing metrics.json leaves its temporary file: the
+    failure record written after the ranks have ended removes it (never a live writer's)."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    killed = run_dir / f"metrics.json.{socket.gethostname()}.{ended_process()}.tmp"
+    killed.write_text('{"status": "run')
+    monkeypatch.setattr(
+        "trainer.loop.train", lambda *args: (_ for _ in ()).throw(RuntimeError("rank 1 failed"))
+    )
+
+    with pytest.raises(RuntimeError):
+        Trainer(compose_config("max_steps=1"), run_dir).fit()
+
+    assert not killed.exists()
+    assert read_metrics(run_dir)["status"] == "failed"
+
+
 def test_a_new_run_in_a_folder_with_a_partial_save_removes_it(tmp_path):
     partial = partial_save(tmp_path / "run", ended_process())
 

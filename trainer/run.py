@@ -30,7 +30,7 @@ from omegaconf import OmegaConf
 
 from trainer import checkpoint, distributed, epoch_report, mfu, perf, timing
 from trainer.assembly import Parts
-from trainer.atomic import NotWritten
+from trainer.atomic import NotWritten, remove_leftovers
 from trainer.config import ExportFormat, TrainConfig
 from trainer.console import console_unless_configured
 from trainer.distributed import Ranks
@@ -281,6 +281,8 @@ class Run:
         refuses it the status and error alone (a few hundred bytes); where even that is refused,
         one line says the record was lost and which one stands."""
         path = self.run_dir / METRICS
+        for leftover in remove_leftovers(path):  # a rank stopped by the launcher amid its write
+            log.info("removed %s, left by a write of %s that was stopped midway", leftover, METRICS)
         try:
             write_json_atomic(path, summary)
             return
