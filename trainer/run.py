@@ -30,7 +30,7 @@ from omegaconf import OmegaConf
 
 from trainer import checkpoint, distributed, epoch_report, mfu, perf, timing
 from trainer.assembly import Parts
-from trainer.atomic import NotWritten, remove_leftovers
+from trainer.atomic import NotWritten
 from trainer.config import ExportFormat, TrainConfig
 from trainer.console import console_unless_configured
 from trainer.distributed import Ranks
@@ -44,6 +44,7 @@ from trainer.logging import (
     metrics_version,
     path_in,
     read_metrics,
+    remove_stopped_writes,
     shell_override,
     shown_hparams,
     write_json_atomic,
@@ -56,14 +57,6 @@ log = logging.getLogger(__name__)
 def default_run_dir() -> Path:
     now = datetime.now()
     return Path("outputs") / now.strftime("%Y-%m-%d") / now.strftime("%H-%M-%S.%f")
-
-
-def record_rejected_config(run_dir: Path, error: Exception, overrides: list[str]) -> None:
-    """A config refused before any run began still leaves a metrics.json saying why."""
-    with contextlib.suppress(NotWritten):  # a full disk: the error itself is what to report
-        write_json_atomic(
-            run_dir / METRICS, {"status": "failed", "error": str(error), "overrides": overrides}
-        )
 
 
 class Run:
@@ -281,8 +274,7 @@ class Run:
         refuses it the status and error alone (a few hundred bytes); where even that is refused,
         one line says the record was lost and which one stands."""
         path = self.run_dir / METRICS
-        for leftover in remove_leftovers(path):  # a rank stopped by the launcher amid its write
-            log.info("removed %s, left by a write of %s that was stopped midway", leftover, METRICS)
+        remove_stopped_writes(path)  # a rank's, where the launcher stopped it amid one
         try:
             write_json_atomic(path, summary)
             return

@@ -29,9 +29,10 @@ from trainer.assembly import Parts, assemble, resolve_device
 from trainer.config import TrainConfig, TrainerError, to_train_config
 from trainer.console import configure_rank_logging
 from trainer.distributed import Ranks
+from trainer.logging import record_rejected_config
 from trainer.loop import NonFiniteLoss, accumulation_plan  # noqa: F401 - importable from here, as before
 from trainer.progress import Progress
-from trainer.run import Run, record_rejected_config
+from trainer.run import Run
 
 log = logging.getLogger(__name__)
 
