@@ -12,7 +12,7 @@ from torch import nn
 
 from trainer import Trainer
 from trainer.config import ConfigError, OptimConfig, OptimizerName, TrainerError, to_train_config
-from trainer.muon import MuonWithSgd
+from trainer.muon import MuonWithSgd, orthogonalized, same_shapes
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.perf import optimizer_compiler
 from trainer.perf.graphed import CudaGraphed
@@ -119,6 +119,22 @@ def test_fixed_norm_rescales_each_convolution_weight_before_muons_step():
     train_steps(still, build_optimizer(rescale_only, still, {}, lr=0.1), steps=1)
     for conv in (module for module in still if isinstance(module, nn.Conv2d)):
         assert conv.weight.norm().item() ** 2 == pytest.approx(len(conv.weight), rel=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(8, 27), (27, 8)])  # wide, and tall (orthogonalized transposed)
+def test_weights_of_one_shape_are_orthogonalized_together_as_each_would_be_alone(shape):
+    torch.manual_seed(0)
+    grads = [torch.randn(*shape) for _ in range(3)] + [torch.randn(5, 7)]
+    buffers = [torch.randn_like(grad) for grad in grads]
+    settings = (0.6, True, (3.4445, -4.775, 2.0315), 3, 1e-7)
+
+    new_buffers, updates = orthogonalized(grads, buffers, *settings)
+
+    assert same_shapes(grads) == [[0, 1, 2], [3]]
+    for grad, buffer, new_buffer, update in zip(grads, buffers, new_buffers, updates, strict=True):
+        [alone_buffer], [alone] = orthogonalized([grad], [buffer], *settings)
+        assert torch.equal(new_buffer, alone_buffer) and update.shape == grad.shape
+        torch.testing.assert_close(update, alone, atol=8e-3, rtol=0)  # bf16: a batched GEMM may round apart
 
 
 def test_compile_true_compiles_muons_arithmetic_and_the_steps_stay_the_same():

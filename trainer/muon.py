@@ -71,6 +71,31 @@ def newton_schulz(
     return x.T if transposed else x
 
 
+def batched_newton_schulz(
+    matrices: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float
+) -> torch.Tensor:
+    """`newton_schulz` of each of a stack of same-shaped matrices (k, rows, columns) at once: the
+    same iteration with batched matrix products (each matrix scaled by its own norm)."""
+    a, b, c = coefficients
+    x = matrices.bfloat16()
+    transposed = x.size(1) > x.size(2)
+    if transposed:
+        x = x.mT
+    x = x / x.norm(dim=(1, 2), keepdim=True).clamp(min=eps)
+    for _ in range(steps):
+        gram = x @ x.mT
+        x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.mT if transposed else x
+
+
+def same_shapes(tensors: list[torch.Tensor]) -> list[list[int]]:
+    """The positions of the tensors, grouped by shape (first seen first)."""
+    groups: dict[torch.Size, list[int]] = {}
+    for index, tensor in enumerate(tensors):
+        groups.setdefault(tensor.shape, []).append(index)
+    return list(groups.values())
+
+
 def orthogonalized(
     grads: list[torch.Tensor],
     buffers: list[torch.Tensor],
@@ -82,15 +107,24 @@ def orthogonalized(
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """One Muon step's arithmetic for a group's weights, without side effects (so that it
     compiles to one graph): the new momentum buffers, and each weight's orthogonalized update
-    in the gradient's dtype."""
+    in the gradient's dtype. Weights of one shape are orthogonalized together, as one stack
+    (ResNet-18's 20 convolutions: 11 stacks); a weight of a shape of its own takes
+    torch.optim.Muon's ops exactly."""
     new_buffers = [buffer.lerp(grad, 1 - momentum) for grad, buffer in zip(grads, buffers)]
     directions = [
         grad.lerp(buffer, momentum) if nesterov else buffer for grad, buffer in zip(grads, new_buffers)
     ]
-    updates = [
-        newton_schulz(direction, coefficients, steps, eps).to(grad.dtype)
-        for grad, direction in zip(grads, directions)
-    ]
+    updates: list[torch.Tensor] = [directions[0]] * len(directions)  # each replaced below
+    for group in same_shapes(directions):
+        if len(group) == 1:
+            [index] = group
+            updates[index] = newton_schulz(directions[index], coefficients, steps, eps).to(grads[index].dtype)
+            continue
+        stacked = batched_newton_schulz(
+            torch.stack([directions[index] for index in group]), coefficients, steps, eps
+        )
+        for index, update in zip(group, stacked.unbind()):
+            updates[index] = update.to(grads[index].dtype)
     return new_buffers, updates
 
 

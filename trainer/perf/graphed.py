@@ -1,6 +1,6 @@
 """A side-effect-free function of CUDA tensors replayed as one CUDA graph per input signature:
 optim=muon's orthogonalization, whose some 20 small kernels a weight (and 60 matmuls a step
-for ResNet-18's 21 convolutions at 3 Newton-Schulz steps) run at the host's launch pace
+for ResNet-18's 20 convolutions at 3 Newton-Schulz steps) run at the host's launch pace
 otherwise (ResNet-18 on an H200: 70-75k img/s with Muon against SGD's 102k, step_graph on).
 
 Why by hand: torch.compile's CUDA graphs (reduce-overhead) share one memory pool with the
