@@ -45,6 +45,15 @@ def test_a_resume_into_another_epoch_or_mid_epoch_ignores_the_staged_one():
     assert_same(batches(staging, 7), batches(reference, 7))
 
 
+def test_the_runs_last_epoch_stages_none_after_it():
+    staging = coordinate_loaders(600, 100)["gpu"]
+    staging.epochs = 2  # as gpu_loaders(..., epochs=2) sets it
+    batches(staging, 0)
+    assert staging.staged is not None and staging.staged[0] == (1, 0)
+    batches(staging, 1)
+    assert staging.staged is None
+
+
 def test_a_partial_pass_stages_nothing():
     """The warm-up takes a few batches and leaves: the next full pass makes its own epoch."""
     staging = coordinate_loaders(600, 100)["gpu"]

@@ -217,7 +217,7 @@ def build_data(cfg: TrainConfig, ranks: Ranks, device: torch.device) -> tuple:
     if cfg.data.loader is LoaderKind.gpu:
         if device.type != "cuda":
             perf.cannot_act("data.loader=gpu", f"device is {device}: the dataset stays in host memory")
-        train, test = gpu_loaders(splits, device=device, **common)
+        train, test = gpu_loaders(splits, device=device, epochs=cfg.epochs, **common)
     else:
         in_memory = splits.train.images is not None
         loader_kwargs = perf.dataloader_kwargs(cfg, device, processes_per_host, in_memory)

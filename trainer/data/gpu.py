@@ -46,8 +46,10 @@ class GpuLoader:
         world_size: int = 1,
         cutout: int = 0,
         crop_flip: CropFlip = DEFAULT_CROP_FLIP,
+        epochs: int | None = None,
     ):
         self.device = images.device
+        self.epochs = epochs  # training epochs 0 .. epochs - 1: the last stages none after it
         self.crop_flip = crop_flip
         self.labels = labels
         self.batch_size = batch_size
@@ -81,7 +83,7 @@ class GpuLoader:
         self.staged = None
         for start in range(0, len(labels), self.batch_size):
             yield images[start : start + self.batch_size], labels[start : start + self.batch_size]
-        if self.batches.train:
+        if self.batches.train and (self.epochs is None or epoch + 1 < self.epochs):
             # The next epoch drawn on the host and launched now, while this epoch's last steps still
             # run on the device: between epochs (where the loop waits for the device) only a
             # lookup is left. Drawn there, it kept the fast CNN's GPU waiting 6% of each epoch.
@@ -139,7 +141,9 @@ def gpu_loaders(
     device: torch.device,
     cutout: int = 0,
     crop_flip: CropFlip = DEFAULT_CROP_FLIP,
+    epochs: int | None = None,
 ) -> tuple[GpuLoader, GpuLoader]:
+    """epochs: the run's, so that the last is not followed by a staged one (None: no end)."""
     loaders = []
     for split, train in ((splits.train, True), (splits.test, False)):
         split: ImageSplit
@@ -155,6 +159,7 @@ def gpu_loaders(
                 world_size=world_size,
                 cutout=cutout,
                 crop_flip=crop_flip,
+                epochs=epochs,
             )
         )
     return loaders[0], loaders[1]
