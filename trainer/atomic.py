@@ -77,8 +77,9 @@ def is_alive(pid: int) -> bool:
 
 
 def remove_leftovers(path: Path) -> list[Path]:
-    """Remove the temporary files of `path` whose writer has ended; return them. A file
-    written on another host, or by a process still running here, stays: it may be mid-write."""
+    """Remove the temporary files of `path` whose writer has ended (a save killed midway, a rank
+    the launcher stopped amid a write), each said in the log; return them. A file written on
+    another host, or by a process still running here, stays: it may be mid-write."""
     removed = []
     host = socket.gethostname()
     for temporary in path.parent.glob(f"{path.name}.*.tmp"):
@@ -89,5 +90,6 @@ def remove_leftovers(path: Path) -> list[Path]:
             temporary.unlink()
         except OSError:  # cleaned by another process first, or a folder we may only read
             continue
+        log.info("removed %s, left by a write of %s whose process ended midway", temporary, path.name)
         removed.append(temporary)
     return removed

@@ -44,13 +44,6 @@ def atomic_save(obj: object, path: Path) -> None:
     write_atomic(path, buffer.getbuffer(), "the checkpoint")
 
 
-def remove_partial_writes(path: Path) -> None:
-    """A save killed midway (kill -9) leaves its temporary file behind; it never became a
-    checkpoint. Only those whose writer has ended go: a live run's save in flight stays."""
-    for leftover in remove_leftovers(path):
-        log.info("removed %s, left by a checkpoint save that was killed midway", leftover)
-
-
 def seed_rngs(seed: int) -> None:
     """Python's, numpy's and torch's random numbers from `seed` (a run's start)."""
     import numpy as np
@@ -100,7 +93,7 @@ def load_checkpoint(resume: str) -> tuple[Path, dict]:
     import torch
 
     path = resolve_checkpoint(resume)
-    remove_partial_writes(path)
+    remove_leftovers(path)  # a save killed midway never became a checkpoint
     try:
         return path, torch.load(path, map_location="cpu", weights_only=False)
     except Exception as error:

@@ -9,16 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import re
 import shlex
 from pathlib import Path
 
 from trainer import tags
-from trainer.atomic import RUN_FOLDER_FIX, NotWritten, remove_leftovers, write_atomic
+from trainer.atomic import RUN_FOLDER_FIX, NotWritten, write_atomic
 from trainer.progress_bar import NoProgress, StepProgress
-
-log = logging.getLogger(__name__)
 
 METRICS = "metrics.json"
 
@@ -36,12 +33,6 @@ def record_rejected_config(run_dir: Path, error: Exception, overrides: list[str]
         write_json_atomic(
             run_dir / METRICS, {"status": "failed", "error": str(error), "overrides": overrides}
         )
-
-
-def remove_stopped_writes(path: Path) -> None:
-    """The temporary files of writes of `path` whose writer has ended midway (trainer.atomic)."""
-    for leftover in remove_leftovers(path):
-        log.info("removed %s, left by a write of %s that was stopped midway", leftover, path.name)
 
 
 def path_in(run_dir: Path, path: Path | str) -> str:

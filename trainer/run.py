@@ -30,7 +30,7 @@ from omegaconf import OmegaConf
 
 from trainer import checkpoint, distributed, epoch_report, mfu, perf, timing
 from trainer.assembly import Parts
-from trainer.atomic import NotWritten
+from trainer.atomic import NotWritten, remove_leftovers
 from trainer.config import ExportFormat, TrainConfig
 from trainer.console import console_unless_configured
 from trainer.distributed import Ranks
@@ -44,7 +44,6 @@ from trainer.logging import (
     metrics_version,
     path_in,
     read_metrics,
-    remove_stopped_writes,
     shell_override,
     shown_hparams,
     write_json_atomic,
@@ -93,7 +92,7 @@ class Run:
             self.restore(*resume)
         # Files appear only once everything above has worked.
         if parts.ranks.is_main:
-            checkpoint.remove_partial_writes(self.run_dir / checkpoint.CHECKPOINT)
+            remove_leftovers(self.run_dir / checkpoint.CHECKPOINT)  # a save killed midway
         self.log = (
             RunLog(self.run_dir, parts.tb_x_per_step) if parts.ranks.is_main else SilentRunLog(self.run_dir)
         )
@@ -274,7 +273,7 @@ class Run:
         refuses it the status and error alone (a few hundred bytes); where even that is refused,
         one line says the record was lost and which one stands."""
         path = self.run_dir / METRICS
-        remove_stopped_writes(path)  # a rank's, where the launcher stopped it amid one
+        remove_leftovers(path)  # a rank's write, where the launcher stopped it amid one
         try:
             write_json_atomic(path, summary)
             return
