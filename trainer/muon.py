@@ -54,28 +54,12 @@ def as_matrix(grad: torch.Tensor, weight: torch.Tensor, alias: nn.Parameter) -> 
 
 
 def newton_schulz(
-    matrix: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float
-) -> torch.Tensor:
-    """Muon's quintic Newton-Schulz iteration in bf16, as torch.optim.Muon runs it: the matrix
-    (wide side last) scaled to a norm of at most 1, then `steps` rounds of X <- aX + (bA + cA^2)X
-    with A = XX^T. Returns about U V^T of the matrix's SVD, in bf16."""
-    a, b, c = coefficients
-    x = matrix.bfloat16()
-    transposed = x.size(0) > x.size(1)
-    if transposed:
-        x = x.T
-    x = x / x.norm().clamp(min=eps)
-    for _ in range(steps):
-        gram = x @ x.T
-        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    return x.T if transposed else x
-
-
-def batched_newton_schulz(
     matrices: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float
 ) -> torch.Tensor:
-    """`newton_schulz` of each of a stack of same-shaped matrices (k, rows, columns) at once: the
-    same iteration with batched matrix products (each matrix scaled by its own norm)."""
+    """Muon's quintic Newton-Schulz iteration in bf16, as torch.optim.Muon runs it, for each of a
+    stack of same-shaped matrices (k, rows, columns) at once: each matrix (wide side last) scaled
+    to a norm of at most 1, then `steps` rounds of X <- aX + (bA + cA^2)X with A = XX^T, as
+    batched products. Returns about U V^T of each matrix's SVD, in bf16."""
     a, b, c = coefficients
     x = matrices.bfloat16()
     transposed = x.size(1) > x.size(2)
@@ -108,21 +92,14 @@ def orthogonalized(
     """One Muon step's arithmetic for a group's weights, without side effects (so that it
     compiles to one graph): the new momentum buffers, and each weight's orthogonalized update
     in the gradient's dtype. Weights of one shape are orthogonalized together, as one stack
-    (ResNet-18's 20 convolutions: 11 stacks); a weight of a shape of its own takes
-    torch.optim.Muon's ops exactly."""
+    (ResNet-18's 20 convolutions: 11 stacks)."""
     new_buffers = [buffer.lerp(grad, 1 - momentum) for grad, buffer in zip(grads, buffers)]
     directions = [
         grad.lerp(buffer, momentum) if nesterov else buffer for grad, buffer in zip(grads, new_buffers)
     ]
     updates: list[torch.Tensor] = [directions[0]] * len(directions)  # each replaced below
     for group in same_shapes(directions):
-        if len(group) == 1:
-            [index] = group
-            updates[index] = newton_schulz(directions[index], coefficients, steps, eps).to(grads[index].dtype)
-            continue
-        stacked = batched_newton_schulz(
-            torch.stack([directions[index] for index in group]), coefficients, steps, eps
-        )
+        stacked = newton_schulz(torch.stack([directions[index] for index in group]), coefficients, steps, eps)
         for index, update in zip(group, stacked.unbind()):
             updates[index] = update.to(grads[index].dtype)
     return new_buffers, updates
