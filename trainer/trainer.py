@@ -81,7 +81,7 @@ class Trainer:
         started = time.perf_counter()
         self.ranks = ranks = ranks or self.ranks or Ranks()
         self.run.device = device = resolve_device(self.cfg.device, ranks, self.cfg.ddp)
-        if device.type == "cuda":  # device=cuda:N: streams and CUDA graphs are made on the current device
+        if device.type == "cuda" and device.index is not None:  # cuda:N: streams and graphs made there
             torch.cuda.set_device(device)
         resume = self.run.load_resume()
         self.parts = assemble(self.cfg, ranks, device)
@@ -130,15 +130,18 @@ class Trainer:
     def _fit(self, ranks: Ranks) -> dict:
         if self.parts is None:
             self.build(ranks)
+        stopping = None
         try:
             with self.run.training():
                 self.progress.compile_s += loop.warm_up(self.parts, self.progress.epoch, self.evaluate)
-                perf.stop_compile_workers()
+                stopping = perf.stop_compile_workers()
                 started = time.perf_counter()
                 self.run.finish(loop.train(self.parts, self.progress, self.run, self.evaluate, started))
         finally:
             if self.parts.step_graph is not None:
                 self.parts.step_graph.release()
+            if stopping is not None:  # done long since; the next job in this process may start a pool
+                stopping.join()
         return self.run.close()
 
     def _launch_ranks(self) -> dict:
