@@ -16,7 +16,7 @@ import pytest
 import torch
 from conftest import SWEEP_SMALL, cli_environment, compose_config, ends_soon, read_metrics, run_cli, sweep_job
 
-from trainer.parallel_jobs import default_jobs, gpu_slot, threads_per_job
+from trainer.parallel_jobs import cuda_visible, default_jobs, gpu_slot, nvml_gpu_count, threads_per_job
 
 PARALLEL = ["-m", "hydra/launcher=parallel", "hydra.launcher.n_jobs=2"]
 JOB_LOG = "__main__.log"  # Hydra names a job's log after the module it ran: as under the basic launcher
@@ -160,6 +160,30 @@ def test_cpu_jobs_share_the_cores_and_default_to_one_at_a_time():
     assert threads_per_job(64) == 1
     if not torch.cuda.is_available():
         assert default_jobs() == 1
+
+
+def test_the_parents_gpu_count_reads_cuda_visible_devices_as_cuda_does():
+    assert cuda_visible(8, None) == 8
+    assert cuda_visible(8, "0,1") == 2
+    assert cuda_visible(2, "1,0,5,0") == 2  # stops at the first index out of range
+    assert cuda_visible(8, "") == 0 and cuda_visible(8, "-1") == 0
+    assert cuda_visible(8, "2,,3") == 1
+    assert cuda_visible(1, "GPU-8a1e,GPU-77c0") == 1  # names count as listed, never past the GPUs
+
+
+def test_the_parent_counts_gpus_without_importing_torch():
+    """The resolver runs in the sweep's parent before any job: it leaves torch unimported."""
+    code = (
+        "import sys; from trainer.parallel_jobs import default_jobs; n = default_jobs(); "
+        "print(n, 'torch' in sys.modules)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    jobs, torch_imported = result.stdout.split()
+    assert int(jobs) >= 1
+    if not Path("/proc/driver/nvidia").exists() or nvml_gpu_count() is not None:
+        assert torch_imported == "False"
+    if torch.cuda.is_available() and nvml_gpu_count() is not None:  # on a GPU host: torch's own count
+        assert int(jobs) == torch.cuda.device_count()
 
 
 def linear_model(num_classes: int) -> torch.nn.Module:

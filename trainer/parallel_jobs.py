@@ -5,7 +5,8 @@
 
 The engine is Hydra's joblib launcher (joblib's loky workers: processes that the pool starts,
 reuses and stops); what it does not know about, this module adds around each job:
-  - n_jobs defaults to the GPUs of the host, or 1 without one (`default_jobs`, a resolver);
+  - n_jobs defaults to the GPUs of the host, or 1 without one (`default_jobs`, a resolver,
+    counting them without torch);
   - each job holds one GPU for its whole run: a lock per GPU, host-wide, taken before training
     and freed after, so two jobs never share a GPU whatever the pool does (`gpu_slot`);
   - on a CPU each job gets its share of the cores as torch threads (`threads_per_job`);
@@ -18,6 +19,7 @@ No torch at import: the resolver runs in the parent, before any job.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import fcntl
 import os
@@ -42,9 +44,46 @@ def visible_gpus() -> int:
     return torch.cuda.device_count()
 
 
+def nvml_gpu_count() -> int | None:
+    """The host's GPUs as NVIDIA's management library counts them (those this container was
+    given), or None where it cannot be read. By hand through ctypes: torch's count needs torch
+    imported and the CUDA driver started, 1-2 s in the sweep's parent before any job starts, and
+    the library's Python binding (nvidia-ml-py) is not among torch's dependencies."""
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return None
+    count = ctypes.c_uint(0)
+    if nvml.nvmlInit_v2() != 0:
+        return None
+    try:
+        return count.value if nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) == 0 else None
+    finally:
+        nvml.nvmlShutdown()
+
+
+def cuda_visible(count: int, visible: str | None) -> int:
+    """Of `count` GPUs, how many CUDA_VISIBLE_DEVICES leaves, read as CUDA reads it: the list up
+    to its first empty or out-of-range index (UUIDs and MIG names counted as listed)."""
+    if visible is None:
+        return count
+    listed = 0
+    for entry in visible.split(","):
+        entry = entry.strip()
+        if not entry or (entry.lstrip("-").isdigit() and not 0 <= int(entry) < count):
+            break
+        listed += 1
+    return min(listed, count)
+
+
 def default_jobs() -> int:
-    """hydra.launcher.n_jobs when not given: one job per GPU, or 1 on a host without one."""
-    return max(1, visible_gpus())
+    """hydra.launcher.n_jobs when not given: one job per GPU, or 1 on a host without one. The
+    count is read without torch where the management library answers; a count that differs from
+    torch's only changes how many jobs wait for a GPU (each job takes a GPU torch sees)."""
+    count = nvml_gpu_count() if Path("/proc/driver/nvidia").exists() else None
+    if count is None:
+        return max(1, visible_gpus())
+    return max(1, cuda_visible(count, os.environ.get("CUDA_VISIBLE_DEVICES")))
 
 
 def is_parallel(launcher_target: str | None) -> bool:
