@@ -139,6 +139,7 @@ def end_of_sweep(code: int | str | None) -> None:
     outcome = sweep_summary.outcome()
     if outcome is None:
         return
+    parallel_jobs.stop_workers()
     line, sweep_code = outcome
     print(line, file=sys.stderr if sweep_code else sys.stdout, flush=True)
     if sweep_code and not code:
