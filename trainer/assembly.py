@@ -51,6 +51,7 @@ class Parts:
     device: torch.device
     ranks: Ranks
     setup_data_s: float  # of the set-up, the data's part: read, decoded or from its cache, on the device
+    init_s: float  # of the set-up, the model's initialization from the data (a part of training)
     # data: the loaders yield uint8 batches; the *_batches are them on the device, normalized
     train_loader: object  # EpochLoader, GpuLoader or LowResEpochs: set_epoch(epoch, skip_batches) first
     train_batches: Iterable[Batch]
@@ -123,7 +124,7 @@ def assemble(cfg: TrainConfig, ranks: Ranks, device: torch.device) -> Parts:
     checkpoint.seed_rngs(cfg.seed)
     perf.apply_backend_flags(cfg, device)
     splits, train_loader, train_batches, test_batches, setup_data_s = build_data(cfg, ranks, device)
-    raw_model, model, ddp_model, step_graph, meter = build_network(cfg, ranks, device, splits)
+    raw_model, model, ddp_model, step_graph, meter, init_s = build_network(cfg, ranks, device, splits)
     global_batch = cfg.batch_size * ranks.world_size * cfg.grad_accum_steps
     lr_peak = logged_peak_lr(cfg, global_batch)
     compiler = perf.optimizer_compiler(cfg, device)
@@ -135,6 +136,7 @@ def assemble(cfg: TrainConfig, ranks: Ranks, device: torch.device) -> Parts:
     scheduler = build_scheduler(cfg.optim, optimizer, total_steps, steps_per_epoch)
     return Parts(
         setup_data_s=setup_data_s,
+        init_s=init_s,
         device=device,
         ranks=ranks,
         train_loader=train_loader,
@@ -236,11 +238,11 @@ def build_data(cfg: TrainConfig, ranks: Ranks, device: torch.device) -> tuple:
 
 def build_network(cfg: TrainConfig, ranks: Ranks, device: torch.device, splits: Splits) -> tuple:
     """(raw model, the model the step calls, the DDP wrapper or None, the step's CUDA graph or
-    None, the MFU meter)."""
+    None, the MFU meter, the seconds the model's initialization from the data took)."""
     if cfg.data.low_res:
         check_low_res(cfg.model, len(splits.classes), cfg.data.low_res)
     raw_model = build_model(cfg.model, num_classes=len(splits.classes))
-    initialize_from_data(raw_model, splits.train)
+    init_s = initialize_from_data(raw_model, splits.train, device)
     wrapped = []
 
     def wrap_ddp(module: nn.Module) -> nn.Module:
@@ -257,7 +259,7 @@ def build_network(cfg: TrainConfig, ranks: Ranks, device: torch.device, splits: 
     batch_shape = (cfg.batch_size, 3, IMAGE_SIZE, IMAGE_SIZE)
     meter = mfu.meter(cfg, device, len(splits.classes), batch_shape, ranks.world_size)
     step_graph = perf.StepGraph.of(raw_model) if captured else None
-    return raw_model, model, wrapped[0] if wrapped else None, step_graph, meter
+    return raw_model, model, wrapped[0] if wrapped else None, step_graph, meter, init_s
 
 
 def logged_peak_lr(cfg: TrainConfig, global_batch: int) -> float:

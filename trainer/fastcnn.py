@@ -100,7 +100,7 @@ class FastCNN(nn.Sequential):
                 products + patches.T @ patches,
             )
         mean = total / count
-        covariance = products / count - torch.outer(mean, mean)
+        covariance = (products / count - torch.outer(mean, mean)).cpu()  # 12 x 12: no solver on a GPU
         eigenvalues, eigenvectors = torch.linalg.eigh(covariance)
         filters = (eigenvectors / torch.sqrt(eigenvalues + WHITENING_EPS)).T.flip(0)  # largest first
         filters = filters.reshape(-1, *self.whiten.weight.shape[1:]).to(self.whiten.weight)

@@ -86,6 +86,8 @@ class Trainer:
         resume = self.run.load_resume()
         self.parts = assemble(self.cfg, ranks, device)
         self.run.begin(self.parts, resume)
+        if resume is None:  # a resumed run keeps the first attempt's, with its other times
+            self.progress.init_s = self.parts.init_s
         self.run.setup_s = time.perf_counter() - started  # data, model, optimizer, the restore
         self.run.setup_data_s = self.parts.setup_data_s
         log.info("set-up %.2f s, of it the data's %.2f s", self.run.setup_s, self.run.setup_data_s)
