@@ -133,7 +133,6 @@ def assemble(cfg: TrainConfig, ranks: Ranks, device: torch.device) -> Parts:
     average_gradients, sync_buffers = averages_over_ranks(ranks, raw_model, ddp_model, average)
     steps_per_epoch = math.ceil(len(train_loader) / cfg.grad_accum_steps)
     total_steps = step_budget(cfg, steps_per_epoch)
-    scheduler = build_scheduler(cfg.optim, optimizer, total_steps, steps_per_epoch)
     return Parts(
         setup_data_s=setup_data_s,
         init_s=init_s,
@@ -158,7 +157,7 @@ def assemble(cfg: TrainConfig, ranks: Ranks, device: torch.device) -> Parts:
         scaler=perf.grad_scaler(cfg, device),
         optimizer=optimizer,
         zero_grad=perf.zero_grad(cfg, optimizer, captured=step_graph is not None),
-        scheduler=scheduler,
+        scheduler=build_scheduler(cfg.optim, optimizer, total_steps, steps_per_epoch),
         lr_peak=lr_peak,
         epochs=cfg.epochs,
         total_steps=total_steps,
