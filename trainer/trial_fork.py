@@ -113,11 +113,20 @@ def stop_group(process: multiprocessing.process.BaseProcess) -> None:
             process.kill()
 
 
+def ready() -> None:
+    """A forked process's whole work when start_forkserver waits for the server."""
+
+
 def start_forkserver() -> None:
-    """Starts the forkserver now (its imports take seconds), so that the first trial's time is a
-    trial's like the others'."""
+    """Starts the forkserver now and waits until its imports are done (seconds), so that the
+    first trial's time is a trial's like the others': the server imports PRELOAD before it
+    forks anything, so the first trial would otherwise wait for it. A process that does nothing
+    is forked to know."""
     forkserver()
     multiprocessing.forkserver.ensure_running()
+    waiter = forkserver().Process(target=ready)
+    waiter.start()
+    waiter.join()
 
 
 def forked_trial(overrides: list[str], run_dir: Path, timeout_s: float | None = None) -> Trial:
