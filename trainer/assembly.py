@@ -127,8 +127,8 @@ def assemble(cfg: TrainConfig, ranks: Ranks, device: torch.device) -> Parts:
     raw_model, model, ddp_model, step_graph, meter, init_s = build_network(cfg, ranks, device, splits)
     global_batch = cfg.batch_size * ranks.world_size * cfg.grad_accum_steps
     lr_peak = logged_peak_lr(cfg, global_batch)
-    compiler = perf.optimizer_compiler(cfg, device)
-    optimizer = build_optimizer(cfg.optim, raw_model, perf.optimizer_kwargs(cfg), lr_peak, compiler)
+    compiler, share = perf.optimizer_compiler(cfg, device), perf.muon_share(cfg, ranks)
+    optimizer = build_optimizer(cfg.optim, raw_model, perf.optimizer_kwargs(cfg), lr_peak, compiler, share)
     average = weight_average(cfg.ema, raw_model)
     average_gradients, sync_buffers = averages_over_ranks(ranks, raw_model, ddp_model, average)
     steps_per_epoch = math.ceil(len(train_loader) / cfg.grad_accum_steps)

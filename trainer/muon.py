@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
+from trainer import muon_shard
 from trainer.config import ConfigError, OptimConfig, TrainerError
 from trainer.perf.all_reduce import memory_order
 
@@ -88,17 +89,23 @@ def orthogonalized(
     coefficients: tuple[float, float, float],
     steps: int,
     eps: float,
+    owned: tuple[bool, ...] | None = None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """One Muon step's arithmetic for a group's weights, without side effects (so that it
     compiles to one graph): the new momentum buffers, and each weight's orthogonalized update
     in the gradient's dtype. Weights of one shape are orthogonalized together, as one stack
-    (ResNet-18's 20 convolutions: 11 stacks)."""
+    (ResNet-18's 20 convolutions: 11 stacks). `owned` (ddp_shard_muon): only the weights this
+    rank orthogonalizes; the others' updates are zeros (trainer/muon_shard.py)."""
     new_buffers = [buffer.lerp(grad, 1 - momentum) for grad, buffer in zip(grads, buffers)]
     directions = [
         grad.lerp(buffer, momentum) if nesterov else buffer for grad, buffer in zip(grads, new_buffers)
     ]
-    updates: list[torch.Tensor] = [directions[0]] * len(directions)  # each replaced below
+    # each replaced below; ddp_shard_muon: zeros for the weights other ranks orthogonalize
+    updates = [grad if owned is None else torch.zeros_like(grad) for grad in grads]
     for group in same_shapes(directions):
+        group = [index for index in group if owned is None or owned[index]]
+        if not group:
+            continue
         stacked = newton_schulz(torch.stack([directions[index] for index in group]), coefficients, steps, eps)
         for index, update in zip(group, stacked.unbind()):
             updates[index] = update.to(grads[index].dtype)
@@ -127,8 +134,9 @@ class MuonWithSgd(torch.optim.Optimizer):
         muon_settings: dict,
         fixed_norm: bool = False,
         compiler: Callable[[Callable], Callable] | None = None,
+        share: tuple[int, int] | None = None,
     ):
-        self.fixed_norm = fixed_norm
+        self.fixed_norm, self.share = fixed_norm, share  # share: (rank, ranks) with ddp_shard_muon
         self.orthogonalized = compiler(orthogonalized) if compiler else orthogonalized
         self.weights = [group.pop("params") for group in muon_groups]
         self.aliases = [[matrix_alias(weight) for weight in weights] for weights in self.weights]
@@ -181,6 +189,7 @@ class MuonWithSgd(torch.optim.Optimizer):
             return
         grads = [alias.grad for alias in aliases]
         buffers = [self.momentum_buffer(alias) for alias in aliases]
+        owned = muon_shard.owned_by(*self.share, [alias.shape for alias in aliases]) if self.share else None
         new_buffers, updates = self.orthogonalized(
             grads,
             buffers,
@@ -189,7 +198,10 @@ class MuonWithSgd(torch.optim.Optimizer):
             tuple(group["ns_coefficients"]),
             group["ns_steps"],
             group["eps"],
+            owned,
         )
+        if owned is not None:
+            updates = muon_shard.summed_over_ranks(updates)
         torch._foreach_copy_(buffers, new_buffers)
         lr, weight_decay = group["lr"], group["weight_decay"]
         if weight_decay:
@@ -239,6 +251,7 @@ def build_muon_with_sgd(
     lr: float,
     extra: dict,
     compiler: Callable[[Callable], Callable] | None = None,
+    share: tuple[int, int] | None = None,
 ) -> MuonWithSgd:
     """`groups`: the parameter groups optim=sgd would get; their convolution weights move to Muon
     at optim.muon_lr (not scaled with the batch: Muon's update has a set size whatever the batch)."""
@@ -268,4 +281,4 @@ def build_muon_with_sgd(
         "weight_decay": cfg.muon_weight_decay,
         "ns_steps": cfg.muon_ns_steps,
     }
-    return MuonWithSgd(sgd, muon_groups, settings, fixed_norm=cfg.muon_fixed_norm, compiler=compiler)
+    return MuonWithSgd(sgd, muon_groups, settings, cfg.muon_fixed_norm, compiler, share)

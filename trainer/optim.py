@@ -104,10 +104,11 @@ def build_optimizer(
     extra: dict,
     lr: float,
     compiler: Callable[[Callable], Callable] | None = None,
+    share: tuple[int, int] | None = None,
 ) -> torch.optim.Optimizer:
     """`lr`: the peak lr for this run's batch (`peak_lr`); `extra` carries perf toggles (fused
-    kernels) and `compiler` compile=true's torch.compile for optim=muon's arithmetic, both
-    decided in trainer/perf/."""
+    kernels), `compiler` compile=true's torch.compile for optim=muon's arithmetic and `share`
+    ddp_shard_muon's (rank, ranks), all decided in trainer/perf/."""
     if lr == 0:
         log.warning("optim.lr=0: the weights will not change; set e.g. optim.lr=0.05 to train")
     elif lr < VANISHING_SCALE * cfg.lr:
@@ -130,7 +131,7 @@ def build_optimizer(
         )
     params = parameter_groups(cfg, model, lr)
     if cfg.name is OptimizerName.muon:
-        return build_muon_with_sgd(cfg, model, params, lr, extra, compiler)
+        return build_muon_with_sgd(cfg, model, params, lr, extra, compiler, share)
     if cfg.name is OptimizerName.adamw:
         return torch.optim.AdamW(
             params, lr=lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay, **extra

@@ -41,6 +41,7 @@ from trainer.perf.ddp import (
     comm_hook,
     distributed_data_parallel,
     gradient_sync,
+    muon_share,
     unused_ddp_toggles,
 )
 from trainer.perf.inputs import (
@@ -88,6 +89,7 @@ __all__ = [
     "distributed_data_parallel",
     "GradientAverage",
     "gradient_sync",
+    "muon_share",
     "grad_scaler",
     "leave_stops_to_the_main_process",
     "memory_format",

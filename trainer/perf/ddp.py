@@ -1,7 +1,7 @@
 """How the ranks average gradients (ddp_sync): DistributedDataParallel and its communication
 toggles (ddp_comm_hook, ddp_bucket_cap_mb, ddp_gradient_as_bucket_view, ddp_static_graph), or
-one all-reduce after backward (trainer/perf/all_reduce.py); one line for ddp_* toggles nothing
-reads.
+one all-reduce after backward (trainer/perf/all_reduce.py); whether optim=muon's work is shared
+out over the ranks (ddp_shard_muon); one line for ddp_* toggles nothing reads.
 
 Must not touch: launching ranks and the process group (trainer/distributed.py).
 """
@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from trainer.config import DdpCommHook, DdpSync, TrainConfig
+from trainer.config import DdpCommHook, DdpSync, OptimizerName, TrainConfig
 from trainer.perf.notes import at_default, cannot_act, override_value
 
 log = logging.getLogger(__name__)
@@ -54,6 +54,20 @@ def unused_ddp_toggles(cfg: TrainConfig, world_size: int) -> None:
     changed = changed_toggles(cfg, names)
     if changed:
         cannot_act(" / ".join(changed), reason)
+
+
+def muon_share(cfg: TrainConfig, ranks) -> tuple[int, int] | None:
+    """ddp_shard_muon: (this rank, the ranks) where it acts (trainer/muon_shard.py); None
+    otherwise, with one line where it was set and cannot act."""
+    if not cfg.ddp_shard_muon:
+        return None
+    if cfg.optim.name is not OptimizerName.muon:
+        cannot_act("ddp_shard_muon=true", f"optim={cfg.optim.name.value}: only Muon's work is shared out")
+        return None
+    if ranks.world_size == 1:
+        cannot_act("ddp_shard_muon=true", "one process: nothing to share out")
+        return None
+    return ranks.rank, ranks.world_size
 
 
 def gradient_sync(cfg: TrainConfig, module: nn.Module) -> DdpSync:

@@ -1,0 +1,47 @@
+"""ddp_shard_muon: optim=muon's orthogonalization shared out over the DDP ranks.
+
+Every rank holds the same averaged gradients and the same momentum buffers, so without this
+each one orthogonalizes every convolution weight, the same work N times. With it each rank runs
+Newton-Schulz for its share of the weights only (`shares`: the largest first, each to the rank
+with the least work so far), leaves zeros for the others, and one all-reduce sums the updates:
+each element comes from exactly one rank, so every rank gets every update, as it would have
+computed it.
+
+Why by hand: torch.optim.Muon steps its parameters one by one and knows nothing of ranks; the
+distributed Muon of its authors shards whole parameter lists over ranks with an all-gather
+of equal slices, which our stacks of same-shaped weights (trainer/muon.py) do not fit.
+
+Owns: which rank orthogonalizes which weight, the all-reduce of the updates. Must not touch:
+the arithmetic (trainer/muon.py), when the optimizer steps (trainer/loop.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def shares(shapes: list[torch.Size], world_size: int) -> list[int]:
+    """The rank that orthogonalizes each weight (by position): the costliest first (a
+    Newton-Schulz step of an m x n matrix costs about m^2 n, m the smaller side), each to the
+    rank with the least cost so far, the lower rank on a tie. The same answer on every rank."""
+    costs = [min(shape[0], shape[1:].numel()) ** 2 * max(shape[0], shape[1:].numel()) for shape in shapes]
+    load, owner = [0] * world_size, [0] * len(shapes)
+    for index in sorted(range(len(shapes)), key=lambda i: (-costs[i], i)):
+        rank = min(range(world_size), key=lambda r: (load[r], r))
+        owner[index] = rank
+        load[rank] += costs[index]
+    return owner
+
+
+def owned_by(rank: int, world_size: int, shapes: list[torch.Size]) -> tuple[bool, ...]:
+    """Which of these weights this rank orthogonalizes."""
+    return tuple(owner == rank for owner in shares(shapes, world_size))
+
+
+def summed_over_ranks(updates: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Every rank's updates, from each rank's share (zeros elsewhere): one all-reduce of them
+    laid end to end, handed back as views of the same shapes."""
+    flat = torch.cat([update.reshape(-1) for update in updates])
+    dist.all_reduce(flat)
+    return [piece.view_as(update) for piece, update in zip(flat.split([u.numel() for u in updates]), updates)]
