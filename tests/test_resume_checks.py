@@ -256,6 +256,7 @@ APPLIED_SETTINGS = (  # read afresh by the resumed run: a change applies, and is
     "measure_data_wait",
     "profile",
     *DDP_TOGGLES,
+    "ddp_shard_muon",  # the same updates, worked out by one rank or shared out
     "data_parallel",
 )
 
