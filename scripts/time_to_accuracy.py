@@ -7,8 +7,9 @@ A row is NAME=OVERRIDES. Every run gets data=imagefolder data.root=... data.deco
 and its seed; results are appended to --out (JSON lines) as they come, so a run cut short keeps
 what finished, each with the accuracy of every evaluated epoch ("evaluated", also printed).
 The table gives, per row: the seeds' mean, std and min test accuracy (with TTA where the run
-uses it), epochs to the target, time to target (training plus the evaluations it
-needed, compilation excluded), compile_s and wall_s (process start to exit), as medians.
+uses it), epochs to the target, time to target (the model's initialization from the data,
+training and the evaluations it needed, compilation excluded), init_s, compile_s and wall_s
+(process start to exit), as medians.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def accuracy(metrics: dict) -> float | None:
 def row_summary(name: str, runs: list[dict]) -> str:
     accuracies = [accuracy(r) for r in runs if accuracy(r) is not None]
     if not accuracies:
-        return f"| {name} | {len(runs)} | failed | | | | | | | |"
+        return f"| {name} | {len(runs)} | failed |" + " |" * 10  # the table's 13 columns
 
     def median(key: str) -> str:
         value = median_of(runs, key)
@@ -64,7 +65,8 @@ def row_summary(name: str, runs: list[dict]) -> str:
     return (
         f"| {name} | {len(accuracies)} | {100 * statistics.mean(accuracies):.2f}% | {100 * std:.2f} "
         f"| {100 * min(accuracies):.2f}% | {reached} | {median('time_to_target_s')} "
-        f"| {median('train_time_s')} | {median('eval_time_s')} | {median('compile_s')} | {median('wall_s')} "
+        f"| {median('init_s')} | {median('train_time_s')} | {median('eval_time_s')} | {median('compile_s')} "
+        f"| {median('wall_s')} "
         f"| {median('img_per_s')} |"
     )
 
@@ -103,10 +105,10 @@ def main() -> None:
             flush=True,
         )
     print(
-        "\n| row | seeds | mean acc | std | min | epochs to target | time to target s | train s | eval s "
-        "| compile s | wall s | img/s |"
+        "\n| row | seeds | mean acc | std | min | epochs to target | time to target s | init s | train s "
+        "| eval s | compile s | wall s | img/s |"
     )
-    print("| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name, _ in rows:
         print(row_summary(name, results[name]))
 
