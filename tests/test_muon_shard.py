@@ -49,7 +49,7 @@ def test_each_weight_goes_to_one_rank_and_the_work_is_shared_evenly():
         owners = shares(shapes, ranks)
         assert owners == shares(shapes, ranks)  # every rank computes the same answer
         for rank in range(ranks):
-            assert owned_by(rank, ranks, shapes) == tuple(owner == rank for owner in owners)
+            assert owned_by(rank, ranks, tuple(shapes)) == tuple(owner == rank for owner in owners)
         loads = [
             sum(cost(RESNET18[index]) for index, owner in enumerate(owners) if owner == rank)
             for rank in range(ranks)
@@ -66,7 +66,7 @@ def test_the_ranks_shares_summed_are_the_whole_step():
     buffers = [torch.randn(shape) for shape in shapes]
     arguments = (0.9, True, (3.4445, -4.775, 2.0315), 5, 1e-7)
     whole_buffers, whole = orthogonalized(grads, buffers, *arguments)
-    shapes = [grad.shape for grad in grads]
+    shapes = tuple(grad.shape for grad in grads)
     parts = [orthogonalized(grads, buffers, *arguments, owned_by(rank, 2, shapes)) for rank in (0, 1)]
     for index, update in enumerate(whole):
         torch.testing.assert_close(parts[0][1][index] + parts[1][1][index], update, rtol=0, atol=0)

@@ -100,8 +100,8 @@ def orthogonalized(
     directions = [
         grad.lerp(buffer, momentum) if nesterov else buffer for grad, buffer in zip(grads, new_buffers)
     ]
-    # each replaced below; ddp_shard_muon: zeros for the weights other ranks orthogonalize
-    updates = [grad if owned is None else torch.zeros_like(grad) for grad in grads]
+    # each replaced below, but for zeros where another rank orthogonalizes (ddp_shard_muon)
+    updates = [grad if owned is None or owned[i] else torch.zeros_like(grad) for i, grad in enumerate(grads)]
     for group in same_shapes(directions):
         group = [index for index in group if owned is None or owned[index]]
         if not group:
@@ -189,7 +189,8 @@ class MuonWithSgd(torch.optim.Optimizer):
             return
         grads = [alias.grad for alias in aliases]
         buffers = [self.momentum_buffer(alias) for alias in aliases]
-        owned = muon_shard.owned_by(*self.share, [alias.shape for alias in aliases]) if self.share else None
+        shapes = tuple(alias.shape for alias in aliases)
+        owned = muon_shard.owned_by(*self.share, shapes) if self.share else None
         new_buffers, updates = self.orthogonalized(
             grads,
             buffers,

@@ -17,6 +17,8 @@ the arithmetic (trainer/muon.py), when the optimizer steps (trainer/loop.py).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
@@ -34,8 +36,10 @@ def shares(shapes: list[torch.Size], world_size: int) -> list[int]:
     return owner
 
 
-def owned_by(rank: int, world_size: int, shapes: list[torch.Size]) -> tuple[bool, ...]:
-    """Which of these weights this rank orthogonalizes."""
+@functools.cache
+def owned_by(rank: int, world_size: int, shapes: tuple[torch.Size, ...]) -> tuple[bool, ...]:
+    """Which of these weights this rank orthogonalizes (worked out once per list of shapes: the
+    optimizer asks at every step)."""
     return tuple(owner == rank for owner in shares(shapes, world_size))
 
 
