@@ -121,13 +121,15 @@ def test_two_gloo_ranks_sharing_the_work_step_the_weights_as_one_process():
 
 
 def test_the_toggle_acts_only_for_muon_over_several_ranks(caplog):
-    cfg = to_train_config(compose_config("optim=muon", "ddp_shard_muon=true"))
-    assert muon_share(cfg, Ranks(rank=1, world_size=2)) == (1, 2)
+    cfg = to_train_config(compose_config("optim=muon"))
+    assert muon_share(cfg, Ranks(rank=1, world_size=2)) == (1, 2)  # on by default
+    off = to_train_config(compose_config("optim=muon", "ddp_shard_muon=false"))
+    assert muon_share(off, Ranks(0, 2)) is None
     forget_said()
-    with caplog.at_level(logging.INFO):
+    with caplog.at_level(logging.DEBUG):
         assert muon_share(cfg, Ranks()) is None
-        assert muon_share(to_train_config(compose_config("ddp_shard_muon=true")), Ranks(0, 2)) is None
-    said = [record.getMessage() for record in caplog.records]
+        assert muon_share(to_train_config(compose_config()), Ranks(0, 2)) is None
+    said = {record.getMessage(): record.levelno for record in caplog.records}
     assert any("one process: nothing to share out" in line for line in said)
     assert any("optim=sgd: only Muon's work is shared out" in line for line in said)
-    assert muon_share(to_train_config(compose_config("optim=muon")), Ranks(0, 2)) is None  # off by default
+    assert set(said.values()) == {logging.DEBUG}  # the default, where it cannot act, is no news

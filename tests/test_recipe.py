@@ -109,8 +109,8 @@ def test_resnet18_94_is_the_sgd_recipe_with_muon_for_the_convolutions_and_fewer_
     assert [getattr(muon.optim, key) for key in same] == [getattr(sgd.optim, key) for key in same]
 
 
-def test_the_two_gpu_recipe_is_the_sgd_recipe_at_twice_the_batch_with_its_own_lr_and_epochs():
-    one = OmegaConf.to_container(compose_config("perf=fast", "recipe=resnet18_94_sgd", small=False))
+def test_the_two_gpu_recipe_is_the_muon_recipe_at_twice_the_batch_with_its_own_epochs():
+    one = OmegaConf.to_container(compose_config("perf=fast", "recipe=resnet18_94", small=False))
     two = OmegaConf.to_container(compose_config("perf=fast", "recipe=resnet18_94_2gpu", small=False))
 
     def flat(tree: dict, prefix: str = "") -> dict:
@@ -120,14 +120,10 @@ def test_the_two_gpu_recipe_is_the_sgd_recipe_at_twice_the_batch_with_its_own_lr
         return items
 
     changed = {key: value for key, value in flat(two).items() if flat(one)[key] != value}
-    assert changed == {
-        "ddp": True,
-        "devices": 2,
-        "epochs": 28,
-        "optim.lr": 0.075,
-        "eval.from_epoch": 25,
-    }
+    assert changed == {"ddp": True, "devices": 2, "epochs": 16, "eval.from_epoch": 14}
     assert flat(one)["batch_size"] == flat(two)["batch_size"] == 512  # per GPU: 1024 in all
+    assert flat(two)["optim.name"] is OptimizerName.muon
+    assert to_train_config(compose_config("recipe=resnet18_94_2gpu", small=False)).ddp_shard_muon
 
 
 def test_tta_averages_the_logits_of_the_views():

@@ -212,7 +212,7 @@ class TrainConfig:
     ddp_static_graph: bool = False  # the same graph every step: DDP plans its buckets once
     # optim=muon under ddp: each rank orthogonalizes its share of the convolution weights and one
     # all-reduce gives every rank every update (false: each rank orthogonalizes every weight)
-    ddp_shard_muon: bool = False
+    ddp_shard_muon: bool = True
     # nn.DataParallel over `devices` GPUs in one process (null: all); batch_size is split between them
     data_parallel: bool = False
 

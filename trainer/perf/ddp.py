@@ -61,11 +61,13 @@ def muon_share(cfg: TrainConfig, ranks) -> tuple[int, int] | None:
     otherwise, with one line where it was set and cannot act."""
     if not cfg.ddp_shard_muon:
         return None
+    default = at_default(cfg, "ddp_shard_muon")  # on by default: said at DEBUG where it cannot act
     if cfg.optim.name is not OptimizerName.muon:
-        cannot_act("ddp_shard_muon=true", f"optim={cfg.optim.name.value}: only Muon's work is shared out")
+        reason = f"optim={cfg.optim.name.value}: only Muon's work is shared out"
+        cannot_act("ddp_shard_muon=true", reason, default=default)
         return None
     if ranks.world_size == 1:
-        cannot_act("ddp_shard_muon=true", "one process: nothing to share out")
+        cannot_act("ddp_shard_muon=true", "one process: nothing to share out", default=default)
         return None
     return ranks.rank, ranks.world_size
 
