@@ -7,7 +7,10 @@ compile metrics (dynamo's time per phase, the graphs it made, the cache hits and
 
 Printed per run: compile_s, startup_s and setup_s from metrics.json, the frames dynamo compiled
 and why it recompiled (TORCH_LOGS=recompiles), the FX-graph and AOTAutograd cache hits and
-misses, and the --phases phases dynamo timed longest (seconds summed over their calls).
+misses, the --phases phases dynamo timed longest (seconds summed over their calls), and the
+warm-up's own calls in order (each training step's forward and backward, its optimizer step, the
+evaluation; CUDA synchronized around each), which show what of compile_s lies outside dynamo:
+loading the compiled kernels at their first call, CUDA graphs recorded, cuDNN's autotuning.
 
 A development tool: it decides nothing and writes only under --out.
 """
@@ -25,14 +28,37 @@ REPO = Path(__file__).resolve().parent.parent
 # Runs the trainer's own entry point; at exit (the trainer's exit runs the atexit handlers) it
 # writes torch's compile metrics beside metrics.json.
 BOOT = """
-import atexit, json, os, runpy, sys
+import atexit, json, os, runpy, sys, time
+import torch, trainer.loop as loop
+calls = []
+def timed(name, call):
+    def synchronized():
+        if torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+    def wrapper(*args, **kwargs):
+        synchronized()
+        started = time.perf_counter()
+        result = call(*args, **kwargs)
+        synchronized()
+        calls.append((name, time.perf_counter() - started))
+        return result
+    return wrapper
+warm_up_steps = loop.warm_up_steps
+def timed_warm_up_steps(parts, epoch, evaluate):
+    step, gradients = loop.forward_backward, loop.apply_gradients
+    loop.forward_backward, loop.apply_gradients = timed("step", step), timed("optimizer", gradients)
+    try:
+        warm_up_steps(parts, epoch, timed("evaluation", evaluate))
+    finally:
+        loop.forward_backward, loop.apply_gradients = step, gradients
+loop.warm_up_steps = timed_warm_up_steps
 def record():
     from torch._dynamo.utils import compilation_time_metrics, counters
     phases = {name: sum(times) for name, times in compilation_time_metrics.items()}
     groups = ("frames", "stats", "aot_autograd", "inductor")
     kept = {group: dict(counts) for group, counts in counters.items() if group in groups}
     with open(os.environ["COMPILE_BREAKDOWN_OUT"], "w") as out:
-        json.dump({"phases": phases, "counters": kept}, out)
+        json.dump({"phases": phases, "counters": kept, "warm_up": calls}, out)
 atexit.register(record)
 sys.argv = ["trainer", *sys.argv[1:]]
 runpy.run_module("trainer", run_name="__main__", alter_sys=True)
@@ -72,6 +98,13 @@ def report(number: int, run: dict, phases: int) -> None:
         print(f"  recompiled: {line[:160]}")
     longest = sorted(run["phases"].items(), key=lambda item: -item[1])[:phases]
     print("  " + ", ".join(f"{name} {seconds:.2f}" for name, seconds in longest))
+    calls = run.get("warm_up", [])
+    timed = sum(seconds for _, seconds in calls)
+    print(
+        "  warm-up calls: "
+        + ", ".join(f"{name} {seconds:.2f}" for name, seconds in calls)
+        + f"; the rest of compile_s (restoring the state, synchronizing) {m['compile_s'] - timed:.2f}"
+    )
 
 
 def main() -> None:
