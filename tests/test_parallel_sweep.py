@@ -5,6 +5,8 @@ it; the GPU slots; and a sweep job that compiles afresh instead of falling back 
 from __future__ import annotations
 
 import os
+import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,6 +19,7 @@ import torch
 from conftest import SWEEP_SMALL, cli_environment, compose_config, ends_soon, read_metrics, run_cli, sweep_job
 
 from trainer.parallel_jobs import cuda_visible, default_jobs, gpu_slot, nvml_gpu_count, threads_per_job
+from trainer.sweep_summary import python_command
 
 PARALLEL = ["-m", "hydra/launcher=parallel", "hydra.launcher.n_jobs=2"]
 JOB_LOG = "__main__.log"  # Hydra names a job's log after the module it ran: as under the basic launcher
@@ -114,8 +117,8 @@ def in_bash(command: str, cwd: Path) -> subprocess.CompletedProcess:
 
 
 def test_sigterm_stops_every_job_keeps_their_checkpoints_and_leaves_no_process(tmp_path):
-    """Three jobs of 1,024 steps, two at a time; SIGTERM once both have begun training."""
-    overrides = [*SWEEP_SMALL, "data.train_size=4096", "batch_size=4", "seed=0,1,2", "hydra.sweep.dir=sweep"]
+    """Three jobs of 512 steps, two at a time; SIGTERM once both have begun training."""
+    overrides = [*SWEEP_SMALL, "data.train_size=2048", "batch_size=4", "seed=0,1,2", "hydra.sweep.dir=sweep"]
     process = subprocess.Popen(
         [sys.executable, "-m", "trainer", *PARALLEL, *overrides],
         cwd=tmp_path,
@@ -156,6 +159,19 @@ def test_sigterm_stops_every_job_keeps_their_checkpoints_and_leaves_no_process(t
     report = in_bash(stderr.strip().splitlines()[-1].split(" | ", 1)[1], tmp_path)
     assert report.returncode == 0, report.stderr[-2000:]
     assert (tmp_path / "sweep" / "report.md").is_file()
+
+
+def test_the_report_hint_names_the_interpreter_a_pasted_line_runs(monkeypatch, tmp_path):
+    here = os.path.abspath(sys.executable)
+    monkeypatch.setattr(shutil, "which", lambda name: here)
+    assert python_command() == "python"  # an activated venv, conda, the base interpreter
+    other = tmp_path / "bin" / "python"  # another interpreter first on PATH
+    other.parent.mkdir()
+    other.symlink_to(here)
+    monkeypatch.setattr(shutil, "which", lambda name: str(other))
+    assert python_command() == shlex.quote(here)
+    monkeypatch.setattr(shutil, "which", lambda name: None)  # no `python` at all
+    assert python_command() == shlex.quote(here)
 
 
 def test_each_job_holds_a_gpu_of_its_own(tmp_path):

@@ -1,7 +1,7 @@
 """The last line of a sweep: how many jobs completed, which failed or stopped, and the exit code.
 
     sweep: 3 of 4 jobs completed; failed: seed=2/2026-11-26_05-53-03.123456_2 (no class folders ...)
-      | python -m trainer.report DIR    (all on one line)
+      | python -m trainer.report DIR    (all on one line; the interpreter's path where `python` is another)
 
 Each job by its folder: from outputs/ beside the single runs (the default sweep folder), or
 inside the sweep folder given as hydra.sweep.dir (`2_seed=2`; trainer/job_names.py).
@@ -24,8 +24,10 @@ import contextlib
 import json
 import os
 import shlex
+import shutil
 import signal
 import socket
+import sys
 from pathlib import Path
 
 from hydra.experimental.callback import Callback
@@ -103,4 +105,17 @@ def outcome() -> tuple[str, int] | None:
     if stopped:
         parts.append("stopped or not run: " + ", ".join(stopped))
     code = EXIT_FAILED if failed else EXIT_STOPPED if stopped else 0
-    return "; ".join(parts) + f" | python -m trainer.report {shlex.quote(str(_sweep_dir))}", code
+    return "; ".join(parts) + f" | {python_command()} -m trainer.report {shlex.quote(str(_sweep_dir))}", code
+
+
+def python_command() -> str:
+    """This interpreter as a pasted hint should name it: `python` where a shell here runs this
+    one (an activated venv, conda, the base interpreter), its path where `python` is another (a
+    venv's interpreter run by its path, without activating it)."""
+    on_path = shutil.which("python")
+    here = os.path.abspath(sys.executable)
+    with contextlib.suppress(OSError, TypeError):
+        same_folder = os.path.dirname(os.path.abspath(on_path)) == os.path.dirname(here)
+        if same_folder and os.path.samefile(on_path, here):
+            return "python"
+    return shlex.quote(here)
