@@ -7,9 +7,11 @@ from __future__ import annotations
 import multiprocessing
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import HANG_GUARD_S, REPO, SMALL, cli_environment, ended, ends_soon
 
 from trainer import trial_fork, trials
@@ -99,9 +101,29 @@ def test_inside_a_forked_trial_a_library_finds_what_a_fresh_process_has(tmp_path
     assert seen == (tmp_path / "fresh.txt").read_text().splitlines() and seen[0] == "fork False"
 
 
-def test_the_cuda_check_is_torchs_own_mark_of_a_child_forked_after_cuda_started(monkeypatch):
-    import torch
+def loaded_modules(out: str) -> None:
+    """In a process forked from the trials' server: which of the modules it may preload it has."""
+    candidates = ("torch._inductor.compile_fx", "torchvision")
+    Path(out).write_text(" ".join(name for name in candidates if name in sys.modules))
 
+
+def test_the_server_preloads_inductor_for_the_trials_that_compile_and_not_torchvision(tmp_path):
+    child = trial_fork.forkserver().Process(target=loaded_modules, args=(str(tmp_path / "modules"),))
+    child.start()
+    child.join(HANG_GUARD_S)
+    assert child.exitcode == 0
+    assert (tmp_path / "modules").read_text() == "torch._inductor.compile_fx"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a compiled trial on CUDA: needs a CUDA GPU")
+def test_a_forked_trial_compiles_and_trains_on_cuda(tmp_path):
+    """The server's preload (inductor, its cache keys) leaves CUDA to the trial."""
+    trial = trial_fork.forked_trial([*SMALL, "device=cuda", "compile=true"], tmp_path / "run")
+    assert trial.failure is None, trial.stderr[-2000:]
+    assert trial.metrics["status"] == "completed" and trial.metrics["compile_s"] > 0
+
+
+def test_the_cuda_check_is_torchs_own_mark_of_a_child_forked_after_cuda_started(monkeypatch):
     assert not trial_fork.cuda_started_before_fork()  # this process never started CUDA
     monkeypatch.setattr(torch.cuda, "_is_in_bad_fork", lambda: True)
     assert trial_fork.cuda_started_before_fork()

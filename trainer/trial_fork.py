@@ -11,11 +11,12 @@ written, the trial ends with os._exit: no threads joined, no atexit handlers, no
 the interpreter; whatever it left running (inductor's compile workers, loader workers, DDP
 ranks) is killed with its process group.
 
-Only the modules every run imports are preloaded: the trainer's CLI and its Trainer (Hydra,
-torch), torch._dynamo (torch.optim loads it when it makes an optimizer) and TensorBoard's
-writer. A module a fresh run of the setting would not import (inductor without compile,
-torchvision for the CNNs) would give the trial more objects for Python's garbage collector to
-walk than the run it stands for.
+Preloaded: the modules every run imports, the trainer's CLI and its Trainer (Hydra, torch),
+torch._dynamo (torch.optim loads it when it makes an optimizer) and TensorBoard's writer; and
+inductor with its cache keys (trainer/inductor_preload.py), which a trial that compiles would
+otherwise import and work out at its first torch.compile. A trial that does not compile carries
+inductor's modules unused: the same images/s as without them (README, Tuning). Other modules a
+fresh run of the setting would not import (torchvision for the CNNs) stay out.
 
 Owns: the forkserver and its preload, one forked trial (`forked_trial`) and the check that the
 preloaded modules left CUDA untouched. Must not touch: what a trial's numbers mean (trainer.trials).
@@ -36,7 +37,13 @@ from pathlib import Path
 from trainer.process_exit import exit_code_of
 from trainer.trials import Trial, die_with_parent, kill_tree, trial_left
 
-PRELOAD = ("trainer.__main__", "trainer.trainer", "torch._dynamo", "torch.utils.tensorboard")
+PRELOAD = (
+    "trainer.__main__",
+    "trainer.trainer",
+    "torch._dynamo",
+    "torch.utils.tensorboard",
+    "trainer.inductor_preload",
+)
 NO_CUDA_AFTER_FORK = (
     "forked trial: CUDA was started in the process the trial was forked from, and a forked "
     "process cannot use it: run the trials fresh (--trial-start fresh)"
