@@ -17,6 +17,11 @@ run group by group, e.g. `probe,scaling` then `dataparallel,toggles --rows bucke
   dataparallel  DataParallel beside DDP at the same settings (compile off)
   toggles       each ddp_* toggle changed from perf=fast's defaults on N GPUs, beside the
                 1-GPU row it is measured against
+  peer          the hand-written peer (scripts/handwritten_loop.py --loader gpu) on 1 GPU and,
+                data-parallel as PyTorch's documentation writes it, on N GPUs
+                (torch.compile(DistributedDataParallel(model)), one process per GPU): with
+                `--groups scaling,peer --rows "gpu loader,hand-written"` the trainer's rows
+                and the peer's in one table
 
 Scaling: ResNet-18, 512 images per GPU, `perf=fast` with the GPU-resident loader and with the
 torch DataLoader (`data.loader=torch`), on 1 and N GPUs (N = every GPU here), on CIFAR-shaped
@@ -80,7 +85,7 @@ TOGGLES = {
     "ddp_static_graph=true": ["ddp_static_graph=true"],
     "ddp_sync=wrapper (DistributedDataParallel)": ["ddp_sync=wrapper"],
 }
-GROUPS = ("probe", "scaling", "step_graph", "dataparallel", "toggles")
+GROUPS = ("probe", "scaling", "step_graph", "dataparallel", "toggles", "peer")
 PROBE_BUCKETS_MB = (25.0, None)  # torch's default, then auto: the whole gradient in one bucket
 
 
@@ -126,25 +131,39 @@ def toggle_rows(gpus: int) -> list[tuple[str, int, Row]]:
     ]
 
 
+def peer_rows(gpus: int) -> list[tuple[str, int, Row]]:
+    """The hand-written loop on 1 GPU and data-parallel on `gpus`, the trainer's peer."""
+    group, loop = "hand-written (torch.compile(DistributedDataParallel(model)))", ["--loader", "gpu"]
+    return [
+        (group, 1, Row("hand-written, 1 GPU", handwritten=loop)),
+        (group, gpus, Row(f"hand-written DDP, {gpus} GPUs", handwritten=[*loop, "--gpus", str(gpus)])),
+    ]
+
+
 ROW_GROUPS = {
     "scaling": scaling_rows,
     "step_graph": step_graph_rows,
     "dataparallel": dataparallel_rows,
     "toggles": toggle_rows,
+    "peer": peer_rows,
 }
-PER_GPU_GROUPS = ("scaling", "step_graph", "toggles")  # DataParallel's rows set their own (whole-host) batch
+PER_GPU_GROUPS = (
+    "scaling",
+    "step_graph",
+    "toggles",
+    "peer",
+)  # DataParallel's rows set their own (whole-host) batch
 
 
 def at_batch(rows: list[tuple[str, int, Row]], batch: int) -> list[tuple[str, int, Row]]:
     """The rows at `batch` images per GPU, each compared with the 1-GPU row of that batch."""
-    return [
-        (
-            f"{group}, {batch}/GPU",
-            gpus,
-            Row(f"{row.name}, {batch}/GPU", [*row.trainer, f"batch_size={batch}"]),
-        )
-        for group, gpus, row in rows
-    ]
+
+    def at(row: Row) -> Row:
+        if row.handwritten is not None:
+            return Row(f"{row.name}, {batch}/GPU", handwritten=[*row.handwritten, "--batch-size", str(batch)])
+        return Row(f"{row.name}, {batch}/GPU", [*row.trainer, f"batch_size={batch}"])
+
+    return [(f"{group}, {batch}/GPU", gpus, at(row)) for group, gpus, row in rows]
 
 
 def group_rows(group: str, gpus: int, batches: list[int]) -> list[tuple[str, int, Row]]:

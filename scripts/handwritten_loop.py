@@ -11,7 +11,11 @@ No config system, no logging, no checks. Two loaders, the two paths the trainer 
                     bf16 autocast, channels_last, CUDA-graph torch.compile, fused SGD,
                     zero_grad(set_to_none=True), no conv bias before BatchNorm; with
                     --low-res S --low-res-epochs N the first N epochs train on the augmented
-                    batches downscaled to SxS (antialiased bilinear), as data.low_res does
+                    batches downscaled to SxS (antialiased bilinear), as data.low_res does;
+                    with --gpus N, data-parallel as the PyTorch documentation writes it: one
+                    process per GPU (torch.multiprocessing.spawn), NCCL, each rank its share of
+                    one shuffled order, torch.compile(DistributedDataParallel(model)) with
+                    gradients as bucket views, --batch-size images per GPU
 
 Both: ResNet-18 (CIFAR stem) or the cnn, SGD (lr 0.05, momentum 0.9, Nesterov, weight decay
 5e-4) with OneCycle (20% warm-up), no label smoothing, a random flip each epoch, no TTA:
@@ -19,6 +23,7 @@ scripts/bench.py runs the trainer's rows with this recipe (PEER_RECIPE).
 
     python scripts/handwritten_loop.py --loader classic --workers 2 --epochs 3 --out /tmp/hand
     python scripts/handwritten_loop.py --loader classic --loader-only --workers 2   # CPU: no model
+    python scripts/handwritten_loop.py --gpus 2 --batch-size 256 --epochs 3 --out /tmp/hand-ddp
 """
 
 from __future__ import annotations
@@ -27,14 +32,18 @@ import argparse
 import contextlib
 import json
 import os
+import socket
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 import torch.nn.functional as F
 import torchvision.transforms as T
 from PIL import Image
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
 
 from trainer.config import DataConfig, DataSource, ModelConfig, ModelName
@@ -55,11 +64,11 @@ class ClassicCifar(Dataset):
         return self.transform(Image.fromarray(self.images[index])), int(self.labels[index])
 
 
-def training_images(data_root: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+def training_images(data_root: str | None, train_size: int = 50_000) -> tuple[torch.Tensor, torch.Tensor]:
     """(N, 3, 32, 32) uint8 images and labels: class folders under data_root/train (read with
     the trainer's decoder and its cache, outside the timed loop), or the synthetic set."""
     if data_root is None:
-        split = synthetic_split(50_000, train=True, seed=0)
+        split = synthetic_split(train_size, train=True, seed=0)
     else:
         cfg = DataConfig(source=DataSource.imagefolder, root=data_root, decode_cache=True)
         split = load_source(cfg, seed=0, processes=len(os.sched_getaffinity(0))).train
@@ -87,14 +96,24 @@ def classic_loader(images: torch.Tensor, labels: torch.Tensor, args) -> DataLoad
     )
 
 
-def gpu_batches(images: torch.Tensor, labels: torch.Tensor, batch_size: int, device: torch.device):
-    """One epoch of augmented, normalized batches from uint8 images already on the device."""
+def gpu_batches(
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    batch_size: int,
+    device: torch.device,
+    epoch: int,
+    rank=0,
+    world=1,
+):
+    """One epoch of augmented, normalized batches from uint8 images already on the device: this
+    rank's share of one order that every rank draws alike (seeded by the epoch)."""
     arange = torch.arange(32, device=device)
     channels = torch.arange(3, device=device)[None, :, None, None]
     mean = torch.tensor(CIFAR10_MEAN, device=device).view(1, 3, 1, 1) * 255
     std = torch.tensor(CIFAR10_STD, device=device).view(1, 3, 1, 1) * 255
-    order = torch.randperm(len(labels), device=device)
-    for step in range(len(labels) // batch_size):
+    shuffled = torch.randperm(len(labels), generator=torch.Generator().manual_seed(epoch))
+    order = shuffled[rank::world].to(device)
+    for step in range(len(labels) // world // batch_size):
         index = order[step * batch_size : (step + 1) * batch_size]
         top = torch.randint(0, 9, (len(index), 1), device=device)
         left = torch.randint(0, 9, (len(index), 1), device=device)
@@ -105,7 +124,7 @@ def gpu_batches(images: torch.Tensor, labels: torch.Tensor, batch_size: int, dev
         yield ((batch.float() - mean) / std).contiguous(memory_format=torch.channels_last), labels[index]
 
 
-def main() -> None:
+def arguments():
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -114,6 +133,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=None, help="default: 512 (gpu), 128 (classic)")
     parser.add_argument("--data-root", default=None, help="class folders (train/, test/); default synthetic")
+    parser.add_argument("--train-size", type=int, default=50_000, help="synthetic images")
     parser.add_argument("--out", type=Path, default=None, help="folder for metrics.json")
     classic = parser.add_argument_group("classic loader")
     classic.add_argument("--workers", type=int, default=2)
@@ -123,19 +143,41 @@ def main() -> None:
     classic.add_argument("--set-to-none", action="store_true")
     classic.add_argument("--cudnn-benchmark", action="store_true")
     classic.add_argument("--loader-only", action="store_true", help="iterate the loader, no model")
-    parser.add_argument("--compile-mode", default="reduce-overhead", help="gpu loader")
+    parser.add_argument("--compile-mode", default="reduce-overhead", help="gpu loader; none: eager")
     parser.add_argument("--low-res", type=int, default=0, help="gpu loader: the first epochs' image size")
     parser.add_argument(
         "--low-res-epochs", type=int, default=0, help="gpu loader: how many epochs at --low-res"
     )
+    parser.add_argument("--gpus", type=int, default=1, help="gpu loader: data-parallel over this many GPUs")
     args = parser.parse_args()
-    gpu_path = args.loader == "gpu"
-    args.batch_size = args.batch_size or (512 if gpu_path else 128)
+    if args.gpus > 1 and args.loader != "gpu":
+        parser.error("--gpus: the gpu loader only")
+    args.batch_size = args.batch_size or (512 if args.loader == "gpu" else 128)
+    return args
 
+
+def main() -> None:
+    args = arguments()
+    if args.gpus == 1:
+        train(0, args, None)
+        return
+    with socket.socket() as probe:  # a free port for the ranks' rendezvous
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    mp.spawn(train, args=(args, port), nprocs=args.gpus)
+
+
+def train(rank: int, args, port: int | None) -> None:
+    world, gpu_path = args.gpus, args.loader == "gpu"
+    device = torch.device(f"cuda:{rank}" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world > 1:
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     torch.manual_seed(0)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    images, labels = training_images(args.data_root)
-    steps_per_epoch = len(labels) // args.batch_size
+    images, labels = training_images(args.data_root, args.train_size)
+    steps_per_epoch = len(labels) // world // args.batch_size
     if gpu_path:
         torch.backends.cudnn.benchmark = True
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
@@ -150,9 +192,13 @@ def main() -> None:
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     model = build_model(ModelConfig(name=ModelName(args.model), conv_bias=not gpu_path), 10)
     model = model.to(device, memory_format=fmt)
-    # static shapes: a second image size (--low-res) gets a graph of its own, not a dynamic one
-    step_model = torch.compile(model, mode=args.compile_mode, dynamic=False) if gpu_path else model
-    peak_lr = 0.05 * args.batch_size / 128  # 0.05 per 128 images, scaled linearly
+    step_model = model
+    if world > 1:  # one bucket per ~25 MB of gradient, all-reduced while backward goes on
+        step_model = DistributedDataParallel(model, gradient_as_bucket_view=True)
+    if gpu_path and args.compile_mode != "none":
+        # static shapes: a second image size (--low-res) gets a graph of its own, not a dynamic one
+        step_model = torch.compile(step_model, mode=args.compile_mode, dynamic=False)
+    peak_lr = 0.05 * args.batch_size * world / 128  # 0.05 per 128 images, scaled linearly
     optimizer = torch.optim.SGD(
         model.parameters(), lr=peak_lr, momentum=0.9, nesterov=True, weight_decay=5e-4, fused=gpu_path or None
     )
@@ -171,7 +217,10 @@ def main() -> None:
     for epoch in range(args.epochs):
         synchronize()
         started = time.perf_counter()
-        batches = gpu_batches(images, labels, args.batch_size, device) if gpu_path else loader
+        if gpu_path:
+            batches = gpu_batches(images, labels, args.batch_size, device, epoch, rank, world)
+        else:
+            batches = loader
         low_res = gpu_path and epoch < args.low_res_epochs and args.low_res
         for batch, target in batches:
             if args.loader_only:
@@ -190,25 +239,27 @@ def main() -> None:
             optimizer.zero_grad(set_to_none=set_to_none)
             scheduler.step()
         synchronize()
-        seconds = time.perf_counter() - started
+        seconds = torch.tensor(time.perf_counter() - started, device=device)
+        if world > 1:  # the epoch lasts as long as its slowest rank
+            dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
         history.append(
             {
                 "epoch": epoch + 1,
-                "epoch_s": seconds,
-                "img_per_s": steps_per_epoch * args.batch_size / seconds,
+                "epoch_s": seconds.item(),
+                "img_per_s": steps_per_epoch * args.batch_size * world / seconds.item(),
                 "data_wait_frac": None,
             }
         )
-        print(f"epoch {epoch + 1}: {history[-1]['img_per_s']:,.0f} img/s", flush=True)
+        if rank == 0:
+            print(f"epoch {epoch + 1}: {history[-1]['img_per_s']:,.0f} img/s", flush=True)
 
-    if args.out:
+    if args.out and rank == 0:
         args.out.mkdir(parents=True, exist_ok=True)
         peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None
-        (args.out / "metrics.json").write_text(
-            json.dumps(
-                {"status": "completed", "history": history, "test_acc": None, "peak_mem_mb": peak}, indent=2
-            )
-        )
+        metrics = {"status": "completed", "history": history, "test_acc": None, "peak_mem_mb": peak}
+        (args.out / "metrics.json").write_text(json.dumps({**metrics, "world_size": world}, indent=2))
+    if world > 1:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -3,11 +3,13 @@ and its one-line refusal where there is no CUDA."""
 
 from __future__ import annotations
 
+import json
+import subprocess
 import sys
 
 import pytest
 import torch
-from conftest import REPO
+from conftest import REPO, cli_environment
 
 sys.path.insert(0, str(REPO / "scripts"))
 import bench_ddp  # noqa: E402 - a script beside bench.py, which it imports
@@ -100,7 +102,7 @@ def test_an_unknown_group_is_one_line(capsys):
     assert bench_ddp.main(["--groups", "probe,scaleing"]) == 2
     assert capsys.readouterr().err == (
         "bench_ddp: unknown groups ['scaleing']: choose from probe, scaling, step_graph, "
-        "dataparallel, toggles\n"
+        "dataparallel, toggles, peer\n"
     )
 
 
@@ -111,3 +113,27 @@ def test_the_probe_resolves_auto_buckets_without_a_data_folder():
     model = build_model(ModelConfig(), num_classes=10)  # ResNet-18: a 42.6 MiB fp32 gradient
     assert bench_ddp.probe_bucket_mb(None, model) == 44.0
     assert bench_ddp.probe_bucket_mb(25.0, model) == 25.0
+
+
+def test_the_peer_group_runs_the_hand_written_loop_on_one_gpu_and_data_parallel_on_all():
+    rows = bench_ddp.selected_rows(["scaling", "peer"], 2, ["gpu loader", "hand-written"], [256])
+    peers = {row.name: row for group, _, row in rows if group.startswith("hand-written")}
+    assert peers["hand-written, 1 GPU, 256/GPU"].handwritten == ["--loader", "gpu", "--batch-size", "256"]
+    two = peers["hand-written DDP, 2 GPUs, 256/GPU"].handwritten
+    assert two == ["--loader", "gpu", "--gpus", "2", "--batch-size", "256"]
+    trainer = [row.name for group, _, row in rows if not group.startswith("hand-written")]
+    assert trainer == ["gpu loader (perf=fast), 1 GPU, 256/GPU", "gpu loader (perf=fast), 2 GPUs, 256/GPU"]
+
+
+def test_the_hand_written_ddp_peer_trains_on_two_ranks_and_counts_both(tmp_path):
+    """On the CPU (gloo): 512 images, 256 a rank, 8 steps of 32 each per epoch."""
+    command = [sys.executable, str(REPO / "scripts" / "handwritten_loop.py"), "--gpus", "2", "--model", "cnn"]
+    command += ["--compile-mode", "none", "--train-size", "512", "--batch-size", "32", "--epochs", "1"]
+    done = subprocess.run(
+        [*command, "--out", str(tmp_path)], env=cli_environment(), capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    [epoch] = metrics["history"]
+    assert metrics["world_size"] == 2
+    assert epoch["img_per_s"] == pytest.approx(8 * 32 * 2 / epoch["epoch_s"])
