@@ -94,6 +94,7 @@ def test_recipe_presets_set_how_to_train_and_leave_speed_to_perf(recipe):
     fastcnn_94 = to_train_config(compose_config("perf=fast", "recipe=fastcnn_94", small=False))
     assert fastcnn_94.batch_size == 2000 != plain.batch_size
     assert fastcnn_94.optim.name is OptimizerName.muon and fastcnn_94.optim.muon_fixed_norm
+    assert (fastcnn_94.eval.tta, fastcnn_94.eval.tta_unsure) == (TtaMode.flip_translate, 0.25)
 
 
 def test_resnet18_94_is_the_sgd_recipe_with_muon_for_the_convolutions_and_fewer_epochs():
