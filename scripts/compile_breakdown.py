@@ -29,6 +29,8 @@ REPO = Path(__file__).resolve().parent.parent
 # writes torch's compile metrics beside metrics.json.
 BOOT = """
 import atexit, json, os, runpy, sys, time
+from trainer import bytecode
+bytecode.cache_bytecode()  # before torch, as the trainer's own entry point does
 import torch, trainer.loop as loop
 calls = []
 def timed(name, call):
@@ -99,11 +101,15 @@ def report(number: int, run: dict, phases: int) -> None:
     longest = sorted(run["phases"].items(), key=lambda item: -item[1])[:phases]
     print("  " + ", ".join(f"{name} {seconds:.2f}" for name, seconds in longest))
     calls = run.get("warm_up", [])
+    if not calls:  # ddp=true: the warm-up ran in the ranks, which this process does not reach
+        print("  warm-up calls: n/a (not in this process)")
+        return
     timed = sum(seconds for _, seconds in calls)
+    rest = m["compile_s"] - timed
     print(
         "  warm-up calls: "
         + ", ".join(f"{name} {seconds:.2f}" for name, seconds in calls)
-        + f"; the rest of compile_s (restoring the state, synchronizing) {m['compile_s'] - timed:.2f}"
+        + f"; the rest of compile_s (the warm-up batches made, the state restored) {rest:.2f}"
     )
 
 

@@ -152,6 +152,11 @@ def arguments():
     args = parser.parse_args()
     if args.gpus > 1 and args.loader != "gpu":
         parser.error("--gpus: the gpu loader only")
+    available = torch.cuda.device_count() if torch.cuda.is_available() else None
+    if args.gpus < 1 or (available is not None and args.gpus > available):
+        parser.error(
+            f"--gpus {args.gpus}: this host has {available or 'no'} CUDA GPUs (without any: CPU ranks)"
+        )
     args.batch_size = args.batch_size or (512 if args.loader == "gpu" else 128)
     return args
 

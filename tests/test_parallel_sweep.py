@@ -117,8 +117,9 @@ def in_bash(command: str, cwd: Path) -> subprocess.CompletedProcess:
 
 
 def test_sigterm_stops_every_job_keeps_their_checkpoints_and_leaves_no_process(tmp_path):
-    """Three jobs of 512 steps, two at a time; SIGTERM once both have begun training."""
-    overrides = [*SWEEP_SMALL, "data.train_size=2048", "batch_size=4", "seed=0,1,2", "hydra.sweep.dir=sweep"]
+    """Three jobs of 1,024 steps, two at a time; SIGTERM once both have begun training (the steps
+    left after that outlast the two jobs' difference in start on a busy host)."""
+    overrides = [*SWEEP_SMALL, "data.train_size=4096", "batch_size=4", "seed=0,1,2", "hydra.sweep.dir=sweep"]
     process = subprocess.Popen(
         [sys.executable, "-m", "trainer", *PARALLEL, *overrides],
         cwd=tmp_path,

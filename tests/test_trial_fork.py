@@ -102,9 +102,22 @@ def test_inside_a_forked_trial_a_library_finds_what_a_fresh_process_has(tmp_path
 
 
 def loaded_modules(out: str) -> None:
-    """In a process forked from the trials' server: which of the modules it may preload it has."""
+    """In a process forked from the trials' server: which of the modules it may preload it has,
+    and how many files torch read to give its compile caches' keys (none where they came along)."""
+    import builtins
+
+    from torch._inductor import codecache
+
     candidates = ("torch._inductor.compile_fx", "torchvision")
-    Path(out).write_text(" ".join(name for name in candidates if name in sys.modules))
+    read, real_open = [], builtins.open
+    builtins.open = lambda *args, **kwargs: read.append(args[0]) or real_open(*args, **kwargs)
+    try:
+        for key in ("torch_key", "triton_key"):
+            getattr(codecache, key, lambda: None)()
+    finally:
+        builtins.open = real_open
+    loaded = " ".join(name for name in candidates if name in sys.modules)
+    Path(out).write_text(f"{loaded}; files read for the keys: {len(read)}")
 
 
 def test_the_server_preloads_inductor_for_the_trials_that_compile_and_not_torchvision(tmp_path):
@@ -112,7 +125,7 @@ def test_the_server_preloads_inductor_for_the_trials_that_compile_and_not_torchv
     child.start()
     child.join(HANG_GUARD_S)
     assert child.exitcode == 0
-    assert (tmp_path / "modules").read_text() == "torch._inductor.compile_fx"
+    assert (tmp_path / "modules").read_text() == "torch._inductor.compile_fx; files read for the keys: 0"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a compiled trial on CUDA: needs a CUDA GPU")
