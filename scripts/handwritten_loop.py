@@ -32,7 +32,6 @@ import argparse
 import contextlib
 import json
 import os
-import socket
 import time
 from pathlib import Path
 
@@ -48,6 +47,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from trainer.config import DataConfig, DataSource, ModelConfig, ModelName
 from trainer.data import CIFAR10_MEAN, CIFAR10_STD, load_source, synthetic_split
+from trainer.distributed import free_port
 from trainer.models import build_model
 
 
@@ -166,10 +166,7 @@ def main() -> None:
     if args.gpus == 1:
         train(0, args, None)
         return
-    with socket.socket() as probe:  # a free port for the ranks' rendezvous
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    mp.spawn(train, args=(args, port), nprocs=args.gpus)
+    mp.spawn(train, args=(args, free_port()), nprocs=args.gpus)  # the port of the ranks' rendezvous
 
 
 def train(rank: int, args, port: int | None) -> None:

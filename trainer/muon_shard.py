@@ -22,6 +22,8 @@ import functools
 import torch
 import torch.distributed as dist
 
+from trainer.perf.all_reduce import FlatCollective
+
 
 def shares(shapes: list[torch.Size], world_size: int) -> list[int]:
     """The rank that orthogonalizes each weight (by position): the costliest first (a
@@ -44,8 +46,7 @@ def owned_by(rank: int, world_size: int, shapes: tuple[torch.Size, ...]) -> tupl
 
 
 def summed_over_ranks(updates: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Every rank's updates, from each rank's share (zeros elsewhere): one all-reduce of them
-    laid end to end, handed back as views of the same shapes."""
-    flat = torch.cat([update.reshape(-1) for update in updates])
-    dist.all_reduce(flat)
-    return [piece.view_as(update) for piece, update in zip(flat.split([u.numel() for u in updates]), updates)]
+    """Every rank's updates, from each rank's share (zeros elsewhere), summed in place: one
+    all-reduce of them laid end to end per dtype (trainer/perf/all_reduce.py)."""
+    FlatCollective.through_flat(updates, dist.all_reduce)
+    return updates
