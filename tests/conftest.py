@@ -68,9 +68,11 @@ def one_torch_thread():
 
 
 def cli_environment(env: dict | None = None) -> dict:
-    """The environment for a `trainer` subprocess: this checkout first, Hydra's short errors,
+    """The environment for a `trainer` subprocess: this checkout first on the path (then the
+    caller's own PYTHONPATH, where a machine may keep Hydra), Hydra's short errors,
     one torch thread."""
-    environment = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": THREADS, **(env or {})}
+    path = os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))
+    environment = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": THREADS, **(env or {})}
     environment.pop("HYDRA_FULL_ERROR", None)
     return environment
 

@@ -4,10 +4,11 @@ through submitit_local, and conf/hydra/launcher/slurm.yaml maps devices onto SLU
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
-from conftest import REPO, SMALL, read_metrics, run_cli, run_folders
+from conftest import SMALL, cli_environment, read_metrics, run_cli, run_folders
 
 
 def find_plugin():
@@ -25,9 +26,10 @@ pytestmark = pytest.mark.skipif(
 
 
 def plugin_path() -> dict:
-    """PYTHONPATH for the CLI: this checkout and wherever this pytest found the plugin."""
+    """PYTHONPATH for the CLI: the tests' own (this checkout first) and wherever this pytest found
+    the plugin."""
     site = Path(PLUGIN.submodule_search_locations[0]).parents[1]
-    return {"PYTHONPATH": f"{REPO}:{site}"}
+    return {"PYTHONPATH": os.pathsep.join((cli_environment()["PYTHONPATH"], str(site)))}
 
 
 def test_a_two_job_sweep_through_submitit_local(tmp_path):

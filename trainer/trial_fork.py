@@ -12,11 +12,11 @@ the interpreter; whatever it left running (inductor's compile workers, loader wo
 ranks) is killed with its process group.
 
 Preloaded: the modules every run imports, the trainer's CLI and its Trainer (Hydra, torch),
-torch._dynamo (torch.optim loads it when it makes an optimizer) and TensorBoard's writer; and
-inductor with its cache keys (trainer/inductor_preload.py), which a trial that compiles would
-otherwise import and work out at its first torch.compile. A trial that does not compile carries
-inductor's modules unused: the same images/s as without them (README, Tuning). Other modules a
-fresh run of the setting would not import (torchvision for the CNNs) stay out.
+torch._dynamo (torch.optim loads it when it makes an optimizer) and TensorBoard's writer. Not
+inductor: on a host with a CUDA GPU, `import torch._inductor.compile_fx` marks every process
+forked after it as unable to use CUDA (torch 2.11 on an H100,
+outputs/readme/gpu_h100x2_2026-11-26g.md), so a trial that compiles imports it itself. Other
+modules a fresh run of the setting would not import (torchvision for the CNNs) stay out.
 
 Owns: the forkserver and its preload, one forked trial (`forked_trial`) and the check that the
 preloaded modules left CUDA untouched. Must not touch: what a trial's numbers mean (trainer.trials).
@@ -42,7 +42,6 @@ PRELOAD = (
     "trainer.trainer",
     "torch._dynamo",
     "torch.utils.tensorboard",
-    "trainer.inductor_preload",
 )
 NO_CUDA_AFTER_FORK = (
     "forked trial: CUDA was started in the process the trial was forked from, and a forked "
