@@ -17,7 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import SWEEP_SMALL, cli_environment, compose_config, ends_soon, read_metrics, run_cli, sweep_job
+from omegaconf import OmegaConf
 
+from trainer import parallel_jobs
 from trainer.parallel_jobs import cuda_visible, default_jobs, gpu_slot, nvml_gpu_count, threads_per_job
 from trainer.sweep_summary import python_command
 
@@ -183,6 +185,27 @@ def test_each_job_holds_a_gpu_of_its_own(tmp_path):
             assert again == 1  # freed, and 0 is still held
     with gpu_slot(2, tmp_path) as after:
         assert after == 0
+    with gpu_slot(2, tmp_path, prefer=1) as preferred:
+        assert preferred == 1
+        with gpu_slot(2, tmp_path, prefer=1) as taken:
+            assert taken == 0  # the preferred one is held
+
+
+def test_a_workers_next_job_asks_first_for_the_gpu_its_last_job_ran_on(tmp_path, monkeypatch):
+    """The worker's CUDA context and compiled graphs are on that GPU; another would start anew."""
+    monkeypatch.setattr(parallel_jobs, "visible_gpus", lambda: 2)
+    monkeypatch.setattr(parallel_jobs, "slot_folder", lambda: tmp_path)
+    monkeypatch.setattr(parallel_jobs, "_last_gpu", None)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    devices = []
+    job = OmegaConf.create({"device": "auto"})
+    # another job holds GPU 0 during this worker's first job
+    with gpu_slot(2, tmp_path), parallel_jobs.job_resources(job, n_jobs=2) as cfg:
+        devices.append(cfg.device)
+    with parallel_jobs.job_resources(OmegaConf.create({"device": "auto"}), n_jobs=2) as cfg:
+        devices.append(cfg.device)  # GPU 0 is free now
+    assert devices == ["cuda:1", "cuda:1"]
 
 
 def test_cpu_jobs_share_the_cores_and_default_to_one_at_a_time():

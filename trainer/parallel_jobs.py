@@ -8,7 +8,8 @@ reuses and stops); what it does not know about, this module adds around each job
   - n_jobs defaults to the GPUs of the host, or 1 without one (`default_jobs`, a resolver,
     counting them without torch);
   - each job holds one GPU for its whole run: a lock per GPU, host-wide, taken before training
-    and freed after, so two jobs never share a GPU whatever the pool does (`gpu_slot`);
+    and freed after, so two jobs never share a GPU whatever the pool does (`gpu_slot`); a
+    worker's next job asks first for the GPU its last one ran on;
   - on a CPU each job gets its share of the cores as torch threads (`threads_per_job`);
   - a sweep job ends by returning, never by exiting its worker: the parent reads every job's
     metrics.json at the end and says which failed or stopped (trainer/sweep_summary.py);
@@ -34,6 +35,9 @@ from omegaconf import DictConfig
 
 LAUNCHER_TARGET = "hydra_plugins.hydra_joblib_launcher.joblib_launcher.JoblibLauncher"
 SLOT_WAIT_S = 0.5
+# The GPU this worker's last job ran on. Its next job asks for that one first: the worker's CUDA
+# context, cuDNN plans and compiled graphs are there, and another GPU would start a second context.
+_last_gpu: int | None = None
 
 
 def visible_gpus() -> int:
@@ -105,13 +109,14 @@ def slot_folder() -> Path:
 
 
 @contextlib.contextmanager
-def gpu_slot(gpus: int, folder: Path | None = None) -> Iterator[int]:
-    """The index of a GPU no other job holds, held until the block ends; waits while every GPU
-    is held (more jobs than GPUs). The lock is the kernel's flock, so it ends with the process
-    that held it, however that process ends."""
+def gpu_slot(gpus: int, folder: Path | None = None, prefer: int | None = None) -> Iterator[int]:
+    """The index of a GPU no other job holds, `prefer` first where it is free, held until the
+    block ends; waits while every GPU is held (more jobs than GPUs). The lock is the kernel's
+    flock, so it ends with the process that held it, however that process ends."""
     folder = folder or slot_folder()
+    order = sorted(range(gpus), key=lambda index: index != prefer)
     while True:
-        for index in range(gpus):
+        for index in order:
             descriptor = os.open(folder / f"gpu{index}.lock", os.O_RDWR | os.O_CREAT, 0o644)
             try:
                 fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -156,7 +161,9 @@ def job_resources(cfg: DictConfig, n_jobs: int | None) -> Iterator[DictConfig]:
         torch.set_num_threads(threads_per_job(n_jobs))
         yield cfg
         return
-    with gpu_slot(gpus) as index:
+    global _last_gpu
+    with gpu_slot(gpus, prefer=_last_gpu) as index:
+        _last_gpu = index
         torch.cuda.set_device(index)
         cfg.device = f"cuda:{index}"  # metrics.json records it
         try:
