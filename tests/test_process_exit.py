@@ -85,3 +85,22 @@ def test_compile_workers_are_stopped_in_a_thread_the_exit_waits_for(monkeypatch)
     assert stopped_in == [thread] and not thread.daemon
     monkeypatch.delitem(sys.modules, "torch._inductor.async_compile")
     assert stop_compile_workers() is None  # nothing compiled: no pool, no thread
+
+
+def test_a_run_whose_compile_workers_are_slow_to_stop_says_how_long_it_waited(tmp_path, monkeypatch, caplog):
+    """The stop runs beside the training; where it outlasts the training it delays
+    metrics.json, and the run's log says by how much."""
+    from conftest import compose_config
+
+    from trainer import perf
+    from trainer.trainer import Trainer
+
+    class StillStopping:  # the stop, still running when the training is over
+        def join(self) -> None:
+            time.sleep(0.6)
+
+    monkeypatch.setattr(perf, "stop_compile_workers", StillStopping)
+    caplog.set_level("INFO")
+    Trainer(compose_config(*SMALL, "device=cpu"), tmp_path / "run").fit()
+    [line] = [message for message in caplog.messages if "compile workers to stop" in message]
+    assert line.startswith("waited 0.") and (tmp_path / "run" / "metrics.json").is_file()

@@ -143,7 +143,10 @@ class Trainer:
             if self.parts.step_graph is not None:
                 self.parts.step_graph.release()
             if stopping is not None:  # done long since; the next job in this process may start a pool
+                join_started = time.perf_counter()
                 stopping.join()
+                if (waited := time.perf_counter() - join_started) > 0.5:  # said: it delays metrics.json
+                    log.info("waited %.1f s for inductor's compile workers to stop", waited)
         return self.run.close()
 
     def _launch_ranks(self) -> dict:
