@@ -14,7 +14,14 @@ from trainer.perf import GradientAverage, gradient_sync
 
 # fastcnn: BatchNorm, whose buffers the two paths keep alike in different ways (the wrapper
 # broadcasts rank 0's every step, after_backward averages them at the epoch's end)
-DDP = ["ddp=true", "devices=2", "deterministic=true", "data.train_size=256", "batch_size=16"]
+DDP = [
+    "ddp=true",
+    "devices=2",
+    "deterministic=true",
+    "data.train_size=256",
+    "data.test_size=32",
+    "batch_size=16",
+]
 STEPS = 6
 
 
@@ -54,7 +61,7 @@ def train_and_collect(ranks, configs: dict, run_dir: str) -> dict:
 
 @pytest.fixture(scope="module")
 def both_paths(tmp_path_factory) -> list[dict]:
-    """Each rank's results for the two paths, and after_backward with 4 micro-batches a step."""
+    """Each rank's results for the two paths, and after_backward with 2 micro-batches a step."""
     from trainer.distributed import launch
 
     run_dir = tmp_path_factory.mktemp("sync")
@@ -63,8 +70,8 @@ def both_paths(tmp_path_factory) -> list[dict]:
         "wrapper": ["ddp_sync=wrapper", f"max_steps={STEPS}"],
         "accumulated": [
             "ddp_sync=after_backward",
-            "grad_accum_steps=4",
-            "data.train_size=1024",
+            "grad_accum_steps=2",
+            "data.train_size=512",
             f"max_steps={STEPS}",
         ],
     }
@@ -92,7 +99,7 @@ def test_after_backward_gives_the_weights_distributed_data_parallel_gives(both_p
 
 
 def test_accumulation_averages_once_per_optimizer_step(both_paths):
-    """4 micro-batches a step: still one average per optimizer step, none in between."""
+    """2 micro-batches a step: still one average per optimizer step, none in between."""
     accumulated = both_paths[0]["accumulated"]
     assert accumulated["steps"] == STEPS
     assert accumulated["averages"] == STEPS
