@@ -48,7 +48,9 @@ print(json.dumps({"total": time.perf_counter() - began, "imports": imported, "cu
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     import torch
