@@ -145,7 +145,7 @@ class Trainer:
             if stopping is not None:  # done long since; the next job in this process may start a pool
                 join_started = time.perf_counter()
                 stopping.join()
-                if (waited := time.perf_counter() - join_started) > 0.5:  # said: it delays metrics.json
+                if (waited := time.perf_counter() - join_started) > 0.5:  # metrics.json waited as long
                     log.info("waited %.1f s for inductor's compile workers to stop", waited)
         return self.run.close()
 
