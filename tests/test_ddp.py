@@ -105,6 +105,26 @@ def count_gradient_syncs(ranks, configs: dict, run_dir: str) -> dict[int, tuple[
         distributed.destroy_process_group()
 
 
+def rank_environment(ranks, name: str) -> tuple[str | None, str, int]:
+    """In a launched rank: the launcher's variable `name`, and what the agent set for this rank."""
+    return os.environ.get(name), os.environ["RANK"], ranks.rank
+
+
+def test_ranks_see_the_launchers_environment_of_now_and_their_own_rank(monkeypatch):
+    """The ranks are forked from a server that started with the environment of its first launch
+    (trainer/forkserver.py); a later launch's ranks still see the launcher's environment as it
+    is then, and under it what the elastic agent set for each rank."""
+    from trainer.distributed import launch
+
+    name = "TRAINER_TEST_LAUNCH_" + uuid.uuid4().hex[:8].upper()
+    monkeypatch.setenv(name, "first")
+    assert launch(2, rank_environment, (name,)) == ("first", "0", 0)
+    monkeypatch.setenv(name, "second")
+    assert launch(2, rank_environment, (name,)) == ("second", "0", 0)
+    monkeypatch.delenv(name)
+    assert launch(2, rank_environment, (name,)) == (None, "0", 0)
+
+
 def test_accumulation_skips_the_all_reduce_between_boundaries(tmp_path):
     """8 optimizer steps cost the same all-reduces with 1 or 4 micro-batches each: the
     3 non-boundary backward passes of every group do not synchronize."""
@@ -313,8 +333,11 @@ def children(pid: int) -> list[tuple[int, bytes]]:
 
 
 def launched_ranks(launcher_pid: int) -> list[int]:
-    """The launcher's children that run a rank (multiprocessing spawn children, not its helpers),
-    in pid order."""
+    """The processes that run a rank, in pid order: the children of the launcher's forkserver
+    (or, where the platform has none, the launcher's spawned children; not its other helpers)."""
+    servers = [pid for pid, command in children(launcher_pid) if b"forkserver" in command]
+    if servers:
+        return sorted(pid for server in servers for pid, _ in children(server))
     return sorted(pid for pid, command in children(launcher_pid) if b"spawn_main" in command)
 
 

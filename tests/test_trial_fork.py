@@ -15,6 +15,7 @@ import torch
 from conftest import HANG_GUARD_S, SMALL, cli_environment, ended, ends_soon
 
 from trainer import trial_fork, trials
+from trainer.forkserver import forkserver
 
 DETERMINISTIC = [*SMALL, "data.train_size=96", "epochs=2", "eval_every=2", "deterministic=true"]
 
@@ -111,7 +112,7 @@ def loaded_modules(out: str) -> None:
 def test_the_server_leaves_inductor_and_torchvision_to_the_trials_that_use_them(tmp_path):
     """Inductor stays out because importing it on a host with a CUDA GPU marks every process
     forked afterwards as unable to use CUDA; torchvision because the CNNs never import it."""
-    child = trial_fork.forkserver().Process(target=loaded_modules, args=(str(tmp_path / "modules"),))
+    child = forkserver().Process(target=loaded_modules, args=(str(tmp_path / "modules"),))
     child.start()
     child.join(HANG_GUARD_S)
     assert child.exitcode == 0

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from trainer import forkserver
 from trainer.config import ConfigError, DdpBackend, TrainConfig, TrainerError
 from trainer.console import elastic_logs_to
 from trainer.torchrun_env import started_by_torchrun  # noqa: F401 - part of this module's interface
@@ -164,8 +165,10 @@ class StopVote:
             self.pending = None
 
 
-def _elastic_worker(target: Callable, args: tuple) -> object:
-    """One rank, started by the elastic agent (which set RANK, WORLD_SIZE, LOCAL_RANK, ...)."""
+def _elastic_worker(target: Callable, args: tuple, environment: dict[str, str]) -> object:
+    """One rank, started by the elastic agent (which set RANK, WORLD_SIZE, LOCAL_RANK, ...), with
+    the launcher's environment under what the agent set."""
+    forkserver.take_environment(environment)
     ranks = torchrun_ranks()
     # Without this, every CPU rank starts one thread per core and they fight (~60x slower).
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
@@ -198,6 +201,12 @@ def launch(
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    # The ranks are forked from the server that imported the trainer once (trainer/forkserver.py),
+    # where the platform has one: a rank, a restarted group or a sweep's next DDP job then starts
+    # without importing torch again.
+    start_method = "forkserver" if forkserver.available() else "spawn"
+    if start_method == "forkserver":
+        forkserver.forkserver()  # its preload, set before its first process
     error_files = tempfile.mkdtemp(prefix="trainer-elastic-")
     # Fields of newer torch releases (2.11's LaunchConfig has neither): passed where they exist.
     newer = {"signals_to_handle": "SIGTERM,SIGINT", "shutdown_timeout": STOP_GRACE_S}
@@ -211,7 +220,7 @@ def launch(
         rdzv_endpoint=f"127.0.0.1:{free_port()}",
         max_restarts=max_restarts,
         monitor_interval=0.2,
-        start_method="spawn",
+        start_method=start_method,
         logs_specs=DefaultLogsSpecs(log_dir=error_files),
         **{name: value for name, value in newer.items() if name in supported},
     )
@@ -224,7 +233,7 @@ def launch(
     os.environ[UNSHARED_STORE] = "1"
     try:
         with elastic_logs_to(log_dir) if log_dir is not None else contextlib.nullcontext():
-            return elastic_launch(config, _elastic_worker)(target, args)[0]
+            return elastic_launch(config, _elastic_worker)(target, args, forkserver.environment_now())[0]
     except ChildFailedError as error:
         if all(failure.exitcode == STOPPED_EXIT_CODE for failure in error.failures.values()):
             raise LaunchStopped("the ranks stopped at a step, as asked") from None

@@ -11,15 +11,10 @@ written, the trial ends with os._exit: no threads joined, no atexit handlers, no
 the interpreter; whatever it left running (inductor's compile workers, loader workers, DDP
 ranks) is killed with its process group.
 
-Preloaded: the modules every run imports, the trainer's CLI and its Trainer (Hydra, torch),
-torch._dynamo (torch.optim loads it when it makes an optimizer) and TensorBoard's writer. Not
-inductor: on a host with a CUDA GPU, `import torch._inductor.compile_fx` marks every process
-forked after it as unable to use CUDA (torch 2.11 on an H100,
-outputs/readme/gpu_h100x2_2026-11-26g.md), so a trial that compiles imports it itself. Other
-modules a fresh run of the setting would not import (torchvision for the CNNs) stay out.
+The server and what it preloads are trainer/forkserver.py's.
 
-Owns: the forkserver and its preload, one forked trial (`forked_trial`) and the check that the
-preloaded modules left CUDA untouched. Must not touch: what a trial's numbers mean (trainer.trials).
+Owns: one forked trial (`forked_trial`) and the check that the preloaded modules left CUDA
+untouched. Must not touch: what a trial's numbers mean (trainer.trials).
 """
 
 from __future__ import annotations
@@ -34,31 +29,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from trainer.forkserver import environment_now, forkserver, take_environment
 from trainer.process_exit import exit_code_of
 from trainer.trials import Trial, die_with_parent, kill_tree, trial_left
 
-PRELOAD = (
-    "trainer.__main__",
-    "trainer.trainer",
-    "torch._dynamo",
-    "torch.utils.tensorboard",
-)
 NO_CUDA_AFTER_FORK = (
     "forked trial: CUDA was started in the process the trial was forked from, and a forked "
     "process cannot use it: run the trials fresh (--trial-start fresh)"
 )
-
-_context: multiprocessing.context.ForkServerContext | None = None
-
-
-def forkserver() -> multiprocessing.context.ForkServerContext:
-    """multiprocessing's forkserver context, its server preloading PRELOAD when it starts (on the
-    first trial; it lives until this process ends)."""
-    global _context
-    if _context is None:
-        _context = multiprocessing.get_context("forkserver")
-        _context.set_forkserver_preload(list(PRELOAD))
-    return _context
 
 
 def cuda_started_before_fork() -> bool:
@@ -80,8 +58,7 @@ def trial_process(overrides: list[str], output_dir: str, environment: dict[str, 
     # closes): the trial goes with it, however the tuner was killed.
     die_with_parent()
     if environment is not None:
-        os.environ.clear()
-        os.environ.update(environment)
+        take_environment(environment)
     for fd, name in ((1, "stdout"), (2, "stderr")):
         try:
             handle = os.open(os.path.join(output_dir, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -140,7 +117,7 @@ def forked_trial(overrides: list[str], run_dir: Path, timeout_s: float | None = 
     what it printed is kept in run_dir/output.log, as trainer.trials.run_trial keeps it."""
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="trial-") as output_dir:
-        arguments = ([*overrides, f"hydra.run.dir={run_dir}"], output_dir, dict(os.environ))
+        arguments = ([*overrides, f"hydra.run.dir={run_dir}"], output_dir, environment_now())
         process = forkserver().Process(target=trial_process, args=arguments)
         try:
             process.start()

@@ -1,0 +1,65 @@
+"""The one process that tuner trials and DDP ranks are forked from: multiprocessing's forkserver,
+which imports Hydra, torch and the trainer once, so that each process forked from it starts
+without paying those imports again (2-3 s of CPU each on a 2-core host, and the same on every
+restart of a DDP group or job of a DDP sweep).
+
+Preloaded: the modules every run imports, the trainer's CLI and its Trainer (Hydra, torch),
+torch._dynamo (torch.optim loads it when it makes an optimizer) and TensorBoard's writer. Not
+inductor: on a host with a CUDA GPU, `import torch._inductor.compile_fx` marks every process
+forked after it as unable to use CUDA (torch 2.11 on an H100,
+outputs/readme/gpu_h100x2_2026-11-26g.md), so a process that compiles imports it itself. None
+of the preloaded modules starts CUDA: each forked process starts its own context. Other modules
+a run of some setting would not import (torchvision for the CNNs) stay out.
+
+A forked process starts with the server's environment, from when the server started; the
+caller's environment of now travels with each process (`environment_now`, `take_environment`).
+
+Owns: the server's context and preload, and that hand-over. Must not touch: what a forked
+process runs (trainer.trial_fork, trainer.distributed).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+
+PRELOAD = (
+    "trainer.__main__",
+    "trainer.trainer",
+    "torch._dynamo",
+    "torch.utils.tensorboard",
+)
+# This process's environment when this module was imported: in the server (which imports it
+# with PRELOAD), the environment every forked process starts with.
+_AT_IMPORT = dict(os.environ)
+
+_context: multiprocessing.context.ForkServerContext | None = None
+
+
+def available() -> bool:
+    """Whether this platform has a forkserver (not on Windows)."""
+    return "forkserver" in multiprocessing.get_all_start_methods()
+
+
+def forkserver() -> multiprocessing.context.ForkServerContext:
+    """multiprocessing's forkserver context, its server preloading PRELOAD when it starts (at
+    the first process forked from it; it lives until this process ends)."""
+    global _context
+    if _context is None:
+        _context = multiprocessing.get_context("forkserver")
+        _context.set_forkserver_preload(list(PRELOAD))
+    return _context
+
+
+def environment_now() -> dict[str, str]:
+    """The caller's environment, to travel with a process forked from the server."""
+    return dict(os.environ)
+
+
+def take_environment(environment: dict[str, str]) -> None:
+    """In a forked process: the caller's `environment`, and over it what was set in this process
+    since the fork (a DDP rank's RANK, WORLD_SIZE, ... from the elastic agent)."""
+    set_since = {name: value for name, value in os.environ.items() if _AT_IMPORT.get(name) != value}
+    os.environ.clear()
+    os.environ.update(environment)
+    os.environ.update(set_since)
