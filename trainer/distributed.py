@@ -23,6 +23,7 @@ import signal
 import socket
 import sys
 import tempfile
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import closing
@@ -43,6 +44,7 @@ log = logging.getLogger(__name__)
 STOP_GRACE_S = 60
 UNSHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 STOPPED_EXIT_CODE = 130  # a rank that stopped at a step and saved, as asked
+ECHO_DELAY_S = 1.0  # how much later a rank that raised ends than one a signal ended (_elastic_worker)
 
 
 @dataclass(frozen=True)
@@ -180,6 +182,13 @@ def _elastic_worker(target: Callable, args: tuple, environment: dict[str, str]) 
         get_error_handler().record_exception(error)
         sys.stderr.flush()
         sys.exit(1)
+    except Exception:
+        # The agent reports only the first rank it sees end. A rank whose collective broke is
+        # most often the echo of another that died (kill -9, the OOM killer), and ranks forked
+        # from the server (trainer/forkserver.py) have their ends relayed by it, both at once
+        # as often as not: this one ends a moment later, so that the agent sees the cause first.
+        time.sleep(ECHO_DELAY_S)
+        raise
 
 
 def restart_count() -> int:
