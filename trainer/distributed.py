@@ -206,16 +206,16 @@ def launch(
     and save; then LaunchStopped is raised here. With `log_dir`, what the elastic agent logs
     (a failed rank's traceback) goes to the ranks' log files there instead of the terminal.
     """
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
     # The ranks are forked from the server that imported the trainer once (trainer/forkserver.py),
     # where the platform has one: a rank, a restarted group or a sweep's next DDP job then starts
     # without importing torch again.
     start_method = "forkserver" if forkserver.available() else "spawn"
     if start_method == "forkserver":
-        forkserver.forkserver()  # its preload, set before its first process
+        forkserver.start()  # its imports then overlap the agent's set-up below
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
     error_files = tempfile.mkdtemp(prefix="trainer-elastic-")
     # Fields of newer torch releases (2.11's LaunchConfig has neither): passed where they exist.
     newer = {"signals_to_handle": "SIGTERM,SIGINT", "shutdown_timeout": STOP_GRACE_S}

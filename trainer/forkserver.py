@@ -21,6 +21,7 @@ process runs (trainer.trial_fork, trainer.distributed).
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.forkserver
 import os
 
 PRELOAD = (
@@ -49,6 +50,13 @@ def forkserver() -> multiprocessing.context.ForkServerContext:
         _context = multiprocessing.get_context("forkserver")
         _context.set_forkserver_preload(list(PRELOAD))
     return _context
+
+
+def start() -> None:
+    """The server started now, if it is not running yet; it imports PRELOAD in its own process
+    while this one goes on."""
+    forkserver()
+    multiprocessing.forkserver.ensure_running()
 
 
 def environment_now() -> dict[str, str]:

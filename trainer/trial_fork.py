@@ -22,14 +22,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing
-import multiprocessing.forkserver
 import os
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from trainer.forkserver import environment_now, forkserver, take_environment
+from trainer.forkserver import environment_now, forkserver, start, take_environment
 from trainer.process_exit import exit_code_of
 from trainer.trials import Trial, die_with_parent, kill_tree, trial_left
 
@@ -105,8 +104,7 @@ def start_forkserver() -> None:
     first trial's time is a trial's like the others': the server imports PRELOAD before it
     forks anything, so the first trial would otherwise wait for it. A process that does nothing
     is forked to know."""
-    forkserver()
-    multiprocessing.forkserver.ensure_running()
+    start()
     waiter = forkserver().Process(target=ready)
     waiter.start()
     waiter.join()
