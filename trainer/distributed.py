@@ -206,12 +206,9 @@ def launch(
     and save; then LaunchStopped is raised here. With `log_dir`, what the elastic agent logs
     (a failed rank's traceback) goes to the ranks' log files there instead of the terminal.
     """
-    # The ranks are forked from the server that imported the trainer once (trainer/forkserver.py),
-    # where the platform has one: a rank, a restarted group or a sweep's next DDP job then starts
-    # without importing torch again.
-    start_method = "forkserver" if forkserver.available() else "spawn"
-    if start_method == "forkserver":
-        forkserver.start()  # its imports then overlap the agent's set-up below
+    # The ranks are forked from the server that imported the trainer once, where the platform has
+    # one: a rank, a restarted group or a sweep's next DDP job starts without importing torch again.
+    start_method = forkserver.start_method()  # started now: its imports overlap the agent's set-up
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch

@@ -59,6 +59,16 @@ def start() -> None:
     multiprocessing.forkserver.ensure_running()
 
 
+def start_method() -> str:
+    """How to start processes that may be forked from the server: "forkserver", with the server
+    started now (its imports then overlap what the caller does before the first process), or
+    "spawn" where the platform has none."""
+    if not available():
+        return "spawn"
+    start()
+    return "forkserver"
+
+
 def environment_now() -> dict[str, str]:
     """The caller's environment, to travel with a process forked from the server."""
     return dict(os.environ)

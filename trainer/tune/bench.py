@@ -19,7 +19,6 @@ mechanics (trainer.trials).
 
 from __future__ import annotations
 
-import multiprocessing
 import shutil
 import statistics
 import time
@@ -27,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from trainer import forkserver
 from trainer.report.jobs import parse_override
 from trainer.trial_fork import forked_trial, start_forkserver
 from trainer.trials import TIMED_OUT, append_jsonl, fresh_trial, median_and_spread, steady_numbers
@@ -36,7 +36,7 @@ from trainer.trials import TIMED_OUT, append_jsonl, fresh_trial, median_and_spre
 TRIAL_STARTS = {"fresh": fresh_trial, "forked": forked_trial}
 # forked where the platform has a forkserver (not Windows): the same images/s as fresh trials in
 # a third of the time on one H100 (README, Tuning)
-DEFAULT_TRIAL_START = "forked" if "forkserver" in multiprocessing.get_all_start_methods() else "fresh"
+DEFAULT_TRIAL_START = "forked" if forkserver.available() else "fresh"
 # A first run this many times the noise away from its reference decides without repeats
 CLEAR = 4.0
 
