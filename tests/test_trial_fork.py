@@ -145,3 +145,41 @@ def test_a_trial_forked_after_cuda_started_refuses_in_one_line(tmp_path, monkeyp
 
     assert child.exitcode == 1
     assert (tmp_path / "stderr").read_text() == trial_fork.NO_CUDA_AFTER_FORK + "\n"
+
+
+# A stop that comes after the server forked a process and before it was sent its work.
+STOP_WHILE_STARTING = """
+import multiprocessing.forkserver as server, os, signal, sys, time
+from trainer import forkserver
+forkserver.PRELOAD = ()  # the server's imports are not what is tested
+class Stopped(BaseException):
+    pass
+def stop(_signal, _frame):
+    raise Stopped
+signal.signal(signal.SIGTERM, stop)
+connect = server.connect_to_new_process
+def connect_then_stop(fds):
+    forked = connect(fds)
+    os.kill(os.getpid(), signal.SIGTERM)
+    return forked
+server.connect_to_new_process = connect_then_stop
+process = forkserver.forkserver().Process(target=time.sleep, args=(600,))
+try:
+    forkserver.start_process(process)
+except Stopped:
+    print(process.pid, flush=True)
+    process.kill()
+    process.join()
+    print("stopped", file=sys.stderr)
+"""
+
+
+def test_a_stop_while_a_process_starts_comes_once_it_has_its_work_and_can_be_stopped(tmp_path):
+    """Without the stop held, the child read half its work and printed `EOFError: Ran out of
+    input` on the caller's terminal after the caller's last line, with no pid to stop it by."""
+    stopped = subprocess.run(
+        [sys.executable, "-c", STOP_WHILE_STARTING], capture_output=True, text=True, timeout=HANG_GUARD_S,
+        env=cli_environment(),
+    )  # fmt: skip
+    assert stopped.returncode == 0 and stopped.stderr == "stopped\n", stopped.stderr
+    assert stopped.stdout.strip().isdigit()  # the pid was known when the stop was raised

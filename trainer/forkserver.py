@@ -14,8 +14,13 @@ a run of some setting would not import (torchvision for the CNNs) stay out.
 A forked process starts with the server's environment, from when the server started; the
 caller's environment of now travels with each process (`environment_now`, `take_environment`).
 
-Owns: the server's context and preload, and that hand-over. Must not touch: what a forked
-process runs (trainer.trial_fork, trainer.distributed).
+A process is started with Ctrl-C and SIGTERM held (`start_process`): the server forks the child
+before the caller sends it its work, so a stop in between left a child that read half its work
+and printed `EOFError: Ran out of input` on the caller's terminal after the caller's last line,
+with no pid known to stop it by.
+
+Owns: the server's context and preload, that hand-over and a process's start. Must not touch:
+what a forked process runs (trainer.trial_fork, trainer.distributed).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import signal
 
 PRELOAD = (
     "trainer.__main__",
@@ -33,6 +39,8 @@ PRELOAD = (
 # This process's environment when this module was imported: in the server (which imports it
 # with PRELOAD), the environment every forked process starts with.
 _AT_IMPORT = dict(os.environ)
+
+STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
 _context: multiprocessing.context.ForkServerContext | None = None
 
@@ -81,3 +89,16 @@ def take_environment(environment: dict[str, str]) -> None:
     os.environ.clear()
     os.environ.update(environment)
     os.environ.update(set_since)
+
+
+def start_process(process: multiprocessing.process.BaseProcess) -> None:
+    """process.start(), with Ctrl-C and SIGTERM held until the process has its work and its pid
+    is known; one that came meanwhile is raised as it returns, where the caller can stop it.
+    The server is started first: multiprocessing, as it starts its resource tracker with the
+    server, unblocks both signals on its way out."""
+    start()
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        process.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)

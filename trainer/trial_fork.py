@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from trainer.forkserver import environment_now, forkserver, start, take_environment
+from trainer.forkserver import environment_now, forkserver, start, start_process, take_environment
 from trainer.process_exit import exit_code_of
 from trainer.trials import Trial, die_with_parent, kill_tree, trial_left
 
@@ -106,7 +106,7 @@ def start_forkserver() -> None:
     is forked to know."""
     start()
     waiter = forkserver().Process(target=ready)
-    waiter.start()
+    start_process(waiter)
     waiter.join()
 
 
@@ -118,7 +118,7 @@ def forked_trial(overrides: list[str], run_dir: Path, timeout_s: float | None = 
         arguments = ([*overrides, f"hydra.run.dir={run_dir}"], output_dir, environment_now())
         process = forkserver().Process(target=trial_process, args=arguments)
         try:
-            process.start()
+            start_process(process)
             process.join(timeout_s)
             timed_out = process.exitcode is None
         finally:
