@@ -5,6 +5,7 @@ it; the GPU slots; and a sweep job that compiles afresh instead of falling back 
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import os
 import shlex
 import shutil
@@ -95,6 +96,31 @@ def test_the_report_reads_a_parallel_sweep(failing_sweep, tmp_path):
     assert rows[0].startswith("| job | batch_size |")
     assert [row.split(" | ")[1] for row in rows[1:]] == ["16", "32", "4096"]
     assert rows[-1].endswith("| failed |")
+
+
+def probe_model(num_classes: int) -> torch.nn.Module:
+    """model.target of a sweep whose jobs write down, in a worker of the pool (the sweep's own
+    process builds the model too, for its checks), what they found in their process."""
+    if multiprocessing.parent_process() is not None:
+        forked_from = Path(f"/proc/{os.getppid()}/cmdline").read_bytes()
+        with open(os.environ["PROBE_OUT"], "a") as out:
+            out.write(f"{multiprocessing.get_start_method()} {torch.get_num_threads()} ")
+            out.write(f"{b'multiprocessing.forkserver' in forked_from}\n")
+    return linear_model(num_classes)
+
+
+def test_the_workers_are_forked_from_the_preloaded_server_and_a_job_finds_a_fresh_process(tmp_path):
+    """Named on the command line, the launcher forks its workers from the trainer's forkserver
+    (its imports done as the sweep starts); a job still finds multiprocessing's default start
+    method, as in a fresh process, and its share of the cores."""
+    path = os.pathsep.join(filter(None, (str(Path(__file__).parent), cli_environment()["PYTHONPATH"])))
+    probe = ["model.target=test_parallel_sweep:probe_model", "max_steps=1", "seed=0,1"]
+    environment = {"PYTHONPATH": path, "PROBE_OUT": str(tmp_path / "probe.txt")}
+    result = run_cli(*PARALLEL, *SWEEP_SMALL, *probe, "hydra.sweep.dir=sweep", cwd=tmp_path, env=environment)
+
+    assert result.returncode == 0, result.stderr[-2000:]
+    found = set((tmp_path / "probe.txt").read_text().splitlines())
+    assert found == {f"fork {threads_per_job(2)} True"}
 
 
 def test_ddp_inside_a_parallel_sweep_is_refused_before_any_job(tmp_path):
