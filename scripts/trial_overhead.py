@@ -42,6 +42,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's trainer
 
+from trainer import bytecode  # noqa: E402
+
+# Before torch is imported, as trainer-tune does at its start: the forkserver and the trials
+# forked from it take this process's bytecode prefix. Without it, on a host whose torch has no
+# bytecode and whose Python writes none, every forked trial compiled inductor's modules from
+# source (the forked variant's 4 s more than plain, outputs/readme/gpu_h100x2_2026-11-26g.md).
+bytecode.cache_bytecode()
+
 from trainer.trial_fork import forked_trial, start_forkserver  # noqa: E402
 from trainer.trials import timed_epochs  # noqa: E402
 
