@@ -19,6 +19,7 @@ import json
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 
 PROBE = r"""
 import json, sys, threading, time
@@ -53,6 +54,10 @@ def main() -> None:
     )
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's trainer
+    from trainer import bytecode
+
+    bytecode.cache_bytecode()  # the probes take its prefix: their imports read bytecode, as a run's do
     import torch
 
     if not torch.cuda.is_available():
