@@ -139,10 +139,16 @@ def runs_here(args: list[str], hydra_overrides: list[str]) -> bool:
     """Whether this command trains on this machine, so that what it needs of the machine is
     checked here: not when Hydra only prints (--help, --cfg), nor for the jobs a cluster
     launcher (slurm) runs on its nodes."""
-    launcher = next(
+    return chosen_launcher(hydra_overrides) in LOCAL_LAUNCHERS and not any(
+        arg.split("=")[0] in PRINT_ONLY_FLAGS for arg in args
+    )
+
+
+def chosen_launcher(hydra_overrides: list[str]) -> str:
+    """The hydra/launcher the command line chooses: "basic" where it names none."""
+    return next(
         (arg.split("=", 1)[1] for arg in hydra_overrides if arg.startswith("hydra/launcher=")), "basic"
     )
-    return launcher in LOCAL_LAUNCHERS and not any(arg.split("=")[0] in PRINT_ONLY_FLAGS for arg in args)
 
 
 def check_command_line(args: list[str]) -> None:

@@ -102,11 +102,6 @@ def is_parallel(launcher_target: str | None) -> bool:
     return launcher_target == LAUNCHER_TARGET
 
 
-def named(hydra_overrides: list[str]) -> bool:
-    """Whether a command line's hydra overrides choose this launcher."""
-    return any(override.lstrip("+") == "hydra/launcher=parallel" for override in hydra_overrides)
-
-
 def workers_from_forkserver() -> None:
     """The pool's workers forked from the trainer's forkserver, which starts now. On a 2-core
     CPU a worker's first job then began 0.4 s after its fork instead of 2.7 s after its start

@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from trainer.forkserver import environment_now, forkserver, start, start_process, take_environment
+from trainer.forkserver import environment_now, forkserver, start_process, take_environment
 from trainer.process_exit import exit_code_of
 from trainer.trials import Trial, die_with_parent, kill_tree, trial_left
 
@@ -104,7 +104,6 @@ def start_forkserver() -> None:
     first trial's time is a trial's like the others': the server imports PRELOAD before it
     forks anything, so the first trial would otherwise wait for it. A process that does nothing
     is forked to know."""
-    start()
     waiter = forkserver().Process(target=ready)
     start_process(waiter)
     waiter.join()
@@ -122,7 +121,7 @@ def forked_trial(overrides: list[str], run_dir: Path, timeout_s: float | None = 
             process.join(timeout_s)
             timed_out = process.exitcode is None
         finally:
-            if process.pid is not None:  # a stop during start() can leave a trial with no pid known
+            if process.pid is not None:  # none where the start itself failed
                 stop_group(process)  # at the limit the trial itself; always what it left running
                 process.join()
         output = Path(output_dir)
