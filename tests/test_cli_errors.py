@@ -43,6 +43,12 @@ CONFIG_ERRORS = {
         ["device=cuda"],  # with every GPU hidden (CASE_ENV), whatever the machine has
         ["device=cuda but no CUDA device is visible: use device=cpu or device=auto"],
     ),
+    # Hydra's own keys and groups: a traceback before they were composed with the rest
+    "unknown-hydra-key": (["hydra.foo=1"], ["unknown config key 'hydra.foo'", "--cfg hydra"]),
+    "unknown-launcher": (
+        ["hydra/launcher=nope"],
+        ["unknown hydra/launcher 'nope'", "hydra/launcher=basic", "hydra/launcher=parallel"],
+    ),
     "run-folder-under-a-file": (
         [f"hydra.run.dir={REPO}/README.md/run"],
         [f"cannot make the run folder {REPO}/README.md/run: {REPO}/README.md is a file", "hydra.run.dir=/a"],

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from trainer.checkpoint import resolve_checkpoint
@@ -163,17 +163,20 @@ def check_command_line(args: list[str]) -> None:
             "torchrun; with ddp=true each job launches its own processes"
         )
     if multirun:
-        fixed, composed = check_sweep(overrides, machine)
-        if "hydra/launcher=parallel" in hydra_overrides and any(cfg.ddp for cfg in composed):
+        fixed, jobs = check_sweep(overrides, machine)
+        if chosen_launcher(hydra_overrides) == "parallel" and any(cfg.ddp for cfg in jobs):
             raise ConfigError(
                 "ddp=true inside hydra/launcher=parallel: each job holds one GPU, and a DDP job "
                 "would launch ranks onto GPUs the other jobs hold. Run a DDP sweep without "
                 "hydra/launcher=parallel (its jobs then take turns, each on every GPU)"
             )
-    else:
-        check_composition(overrides, machine)
-        fixed = overrides
-    check_output_folder([*fixed, *hydra_overrides], multirun)
+        check_output_folder(composed([*fixed, *hydra_overrides], hydra_config=True), multirun)
+    else:  # one composition for both checks
+        cfg = composed([*overrides, *hydra_overrides], hydra_config=True)
+        check_output_folder(cfg, multirun)
+        check_composition(
+            overrides, machine, OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"])
+        )
 
 
 def check_sweep(overrides: list[str], machine: bool = True) -> tuple[list[str], list[TrainConfig]]:
@@ -191,15 +194,23 @@ def check_sweep(overrides: list[str], machine: bool = True) -> tuple[list[str], 
     return fixed, composed
 
 
-def check_composition(overrides: list[str], machine: bool = True) -> TrainConfig:
-    """The config these overrides compose to, validated, and (`machine`) what it needs of this
-    machine (trainer/preflight.py); ConfigError in one line when they do not."""
+def composed(overrides: list[str], hydra_config: bool = False) -> DictConfig:
+    """The config these overrides compose to, with Hydra's own `hydra` node where asked;
+    ConfigError in one line when they do not compose (a hydra.* key included)."""
     try:
         with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-            cfg = compose("config", overrides=overrides)
+            return compose("config", overrides=overrides, return_hydra_config=hydra_config)
     except Exception as error:  # Hydra's and OmegaConf's own, multi-line; keep what matters
         raise ConfigError(explain(error)) from None
-    train_config = to_train_config(cfg)
+
+
+def check_composition(
+    overrides: list[str], machine: bool = True, cfg: DictConfig | None = None
+) -> TrainConfig:
+    """The config these overrides compose to (`cfg`, where composed already), validated, and
+    (`machine`) what it needs of this machine (trainer/preflight.py); ConfigError in one line
+    when they do not."""
+    train_config = to_train_config(composed(overrides) if cfg is None else cfg)
     if train_config.resume:
         resolve_checkpoint(train_config.resume)
     if machine:
@@ -211,12 +222,11 @@ def check_composition(overrides: list[str], machine: bool = True) -> TrainConfig
     return train_config
 
 
-def check_output_folder(overrides: list[str], multirun: bool) -> None:
+def check_output_folder(cfg: DictConfig, multirun: bool) -> None:
     """Hydra makes the run folder (under -m, the sweep folder) and opens its log file there;
-    where it cannot, it stops with a traceback. Try the same in the nearest folder that exists."""
+    where it cannot, it stops with a traceback. Try the same in the nearest folder that exists
+    (`cfg`: composed with its `hydra` node)."""
     key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
-    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        cfg = compose("config", overrides=overrides, return_hydra_config=True)
     try:
         folder = Path(OmegaConf.select(cfg, key))
     except (OmegaConfBaseException, ValueError):
@@ -249,7 +259,7 @@ def group_options(hydra_message: str) -> list[str]:
 
 def explain(error: Exception) -> str:
     text = str(error)
-    missing = re.search(r"Could not find '(\w+)/([^']+)'", text)
+    missing = re.search(r"Could not find '([\w/]+)/([^'/]+)'", text)  # hydra/launcher/nope too
     if missing:
         group, name = missing.groups()
         options = group_options(text)

@@ -282,6 +282,8 @@ def schema_keys() -> list[str]:
 def unknown_key_message(key: str) -> str:
     import difflib
 
+    if key.startswith("hydra."):  # Hydra's own keys: its config lists them
+        return f"unknown config key '{key}'. See `python -m trainer --cfg hydra` for Hydra's keys and values."
     close = difflib.get_close_matches(key, schema_keys(), n=1, cutoff=0.6)
     hint = f" Did you mean '{close[0]}'?" if close else ""
     return (
