@@ -5,6 +5,7 @@ it; the GPU slots; and a sweep job that compiles afresh instead of falling back 
 from __future__ import annotations
 
 import contextlib
+import json
 import multiprocessing
 import os
 import shlex
@@ -23,6 +24,7 @@ from conftest import (
     SWEEP_SMALL,
     cli_environment,
     compose_config,
+    ended,
     ends_soon,
     read_metrics,
     run_cli,
@@ -223,6 +225,37 @@ def test_sigterm_stops_every_job_keeps_their_checkpoints_and_leaves_no_process(t
     report = in_bash(stderr.strip().splitlines()[-1].split(" | ", 1)[1], tmp_path)
     assert report.returncode == 0, report.stderr[-2000:]
     assert (tmp_path / "sweep" / "report.md").is_file()
+
+
+def test_a_sweep_killed_with_sigkill_takes_its_running_jobs_along(tmp_path):
+    """No handler runs on SIGKILL to the sweep's process alone; its workers, forked from the
+    trainer's server, end all the same (the server sees its caller gone, and they their server)
+    instead of training on and taking the jobs still queued. The wait is only a hang guard."""
+    overrides = [*SWEEP_SMALL, "epochs=100000", "seed=0,1,2", "hydra.sweep.dir=sweep"]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "trainer", *PARALLEL, *overrides], cwd=tmp_path, env=cli_environment(),
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    try:
+        locks: list[Path] = []
+        for _ in range(6000):  # until both running jobs hold their folders
+            locks = [lock for lock in (tmp_path / "sweep").glob("*/run.lock") if lock.read_text().strip()]
+            if len(locks) == 2 or process.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert len(locks) == 2, "the two jobs did not start"
+        workers = [json.loads(lock.read_text())["pid"] for lock in locks]
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait()
+        for _ in range(600):
+            if all(ended(pid) for pid in workers):
+                break
+            time.sleep(0.1)
+        assert all(ended(pid) for pid in workers), f"workers {workers} still run after the sweep was killed"
+        assert not list((tmp_path / "sweep").glob("2_*"))  # the queued job never started
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
 
 
 def test_the_report_hint_names_the_interpreter_a_pasted_line_runs(monkeypatch, tmp_path):

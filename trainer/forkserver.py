@@ -19,8 +19,9 @@ before the caller sends it its work, so a stop in between left a child that read
 and printed `EOFError: Ran out of input` on the caller's terminal after the caller's last line,
 with no pid known to stop it by.
 
-Owns: the server's context, preload and stop, that hand-over and a process's start. Must not
-touch: what a forked process runs (trainer.trial_fork, trainer.distributed).
+Owns: the server's context, preload and stop, that hand-over, a process's start and its end
+with the caller (`follow_the_caller`). Must not touch: what a forked process runs
+(trainer.trial_fork, trainer.distributed).
 """
 
 from __future__ import annotations
@@ -121,3 +122,21 @@ def start_process(process: multiprocessing.process.BaseProcess) -> None:
         process.start()
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
+def follow_the_caller() -> None:
+    """In a process forked from the server (a sweep's worker, a tuner's trial): it ends when the
+    server does, and the server when its caller does, however the caller ended (kill -9
+    included; Linux). multiprocessing hands every process forked from the server a copy of the
+    pipe whose closing tells the server that its caller is gone (for a process that starts its
+    own through the same server), so the server outlived a killed caller as long as any of them
+    ran. This one lets go of its copy; a process it asks the server for later comes from a
+    server of its own. Nothing anywhere else (the caller holds no such copy)."""
+    from trainer.trials import die_with_parent
+
+    server = multiprocessing.forkserver._forkserver
+    if server._forkserver_alive_fd is None or server._forkserver_pid is not None:
+        return
+    os.close(server._forkserver_alive_fd)
+    server._forkserver_alive_fd = None
+    die_with_parent()

@@ -17,8 +17,9 @@ reuses and stops); what it does not know about, this module adds around each job
   - where the command line names this launcher, the pool's workers are forked from the
     trainer's forkserver (trainer/forkserver.py), started as the sweep's process starts: its
     imports (Hydra, torch, the trainer) run beside the sweep's own start-up, and a worker
-    begins its first job without them (`workers_from_forkserver`). A launcher chosen in a
-    config file instead gets loky's own workers, which import all that themselves.
+    begins its first job without them (`workers_from_forkserver`); such a worker ends with
+    the sweep's process, even one killed by SIGKILL. A launcher chosen in a config file
+    instead gets loky's own workers, which import all that themselves.
 Owns: those six. Must not touch: what a job trains (trainer/trainer.py), the run folder.
 No torch at import: the resolver runs in the parent, before any job.
 """
@@ -179,6 +180,9 @@ def job_resources(cfg: DictConfig, n_jobs: int | None) -> Iterator[DictConfig]:
         return
     import torch
 
+    from trainer.forkserver import follow_the_caller
+
+    follow_the_caller()  # a worker forked from the server ends with the sweep, even one killed
     multiprocessing.set_start_method(None, force=True)
     torch.set_num_threads(threads_per_job(n_jobs))
     gpus = visible_gpus() if cfg.device in ("auto", "cuda") else 0

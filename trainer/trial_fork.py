@@ -28,9 +28,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from trainer.forkserver import environment_now, forkserver, start_process, take_environment
+from trainer.forkserver import environment_now, follow_the_caller, forkserver, start_process, take_environment
 from trainer.process_exit import exit_code_of
-from trainer.trials import Trial, die_with_parent, kill_tree, trial_left
+from trainer.trials import Trial, kill_tree, trial_left
 
 NO_CUDA_AFTER_FORK = (
     "forked trial: CUDA was started in the process the trial was forked from, and a forked "
@@ -53,9 +53,7 @@ def trial_process(overrides: list[str], output_dir: str, environment: dict[str, 
     output_dir, in a process group of its own, with the caller's environment (the forkserver
     has the one it started with; what a module read from it when it was imported stays)."""
     os.setsid()  # a trial stopped at its limit is stopped with everything it started
-    # Its parent is the forkserver, which exits when the tuner dies (its pipe from the tuner
-    # closes): the trial goes with it, however the tuner was killed.
-    die_with_parent()
+    follow_the_caller()  # ends with the tuner, however the tuner was killed
     if environment is not None:
         take_environment(environment)
     for fd, name in ((1, "stdout"), (2, "stderr")):
