@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import HANG_GUARD_S, SMALL, cli_environment, compose_config, run_cli
+from conftest import HANG_GUARD_S, SMALL, all_end, cli_environment, compose_config, run_cli
 from test_ddp import launched_ranks
 
 from trainer import Trainer
@@ -266,6 +266,19 @@ def killed_rank(tmp_path_factory) -> Outcome:
     wait_for_epoch(launcher, run_dir)
     os.kill(launched_ranks(launcher.pid)[-1], signal.SIGKILL)
     return finish(launcher, run_dir)
+
+
+def test_a_launcher_killed_with_sigkill_takes_its_ranks_along(tmp_path):
+    """No handler runs on SIGKILL to the launcher alone; its ranks, forked from the trainer's
+    server, end with it (the server sees its caller gone, and they their server) instead of
+    training on."""
+    run_dir = tmp_path / "run"
+    launcher = start([*small(LONG), *DDP], run_dir)
+    wait_for_epoch(launcher, run_dir)
+    ranks = launched_ranks(launcher.pid)
+    os.kill(launcher.pid, signal.SIGKILL)
+    launcher.wait()
+    assert len(ranks) == 2 and all_end(ranks), f"ranks {ranks} still run after their launcher was killed"
 
 
 @pytest.fixture(scope="module")

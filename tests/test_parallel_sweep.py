@@ -22,9 +22,9 @@ import torch
 from conftest import (
     HANG_GUARD_S,
     SWEEP_SMALL,
+    all_end,
     cli_environment,
     compose_config,
-    ended,
     ends_soon,
     read_metrics,
     run_cli,
@@ -247,11 +247,7 @@ def test_a_sweep_killed_with_sigkill_takes_its_running_jobs_along(tmp_path):
         workers = [json.loads(lock.read_text())["pid"] for lock in locks]
         os.kill(process.pid, signal.SIGKILL)
         process.wait()
-        for _ in range(600):
-            if all(ended(pid) for pid in workers):
-                break
-            time.sleep(0.1)
-        assert all(ended(pid) for pid in workers), f"workers {workers} still run after the sweep was killed"
+        assert all_end(workers), f"workers {workers} still run after the sweep was killed"
         assert not list((tmp_path / "sweep").glob("2_*"))  # the queued job never started
     finally:
         with contextlib.suppress(ProcessLookupError):

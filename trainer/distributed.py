@@ -171,6 +171,7 @@ def _elastic_worker(target: Callable, args: tuple, environment: dict[str, str]) 
     """One rank, started by the elastic agent (which set RANK, WORLD_SIZE, LOCAL_RANK, ...), with
     the launcher's environment under what the agent set."""
     forkserver.take_environment(environment)
+    forkserver.follow_the_caller()  # a launcher killed with SIGKILL takes its ranks along
     ranks = torchrun_ranks()
     # Without this, every CPU rank starts one thread per core and they fight (~60x slower).
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
