@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import HANG_GUARD_S, SMALL, cli_environment, ended, ends_soon
 
-from trainer import trial_fork, trials
+from trainer import inductor_preload, trial_fork, trials
 from trainer.forkserver import forkserver
 
 DETERMINISTIC = [*SMALL, "data.train_size=96", "epochs=2", "eval_every=2", "deterministic=true"]
@@ -104,19 +104,48 @@ def test_inside_a_forked_trial_a_library_finds_what_a_fresh_process_has(tmp_path
 
 
 def loaded_modules(out: str) -> None:
-    """In a process forked from the trials' server: which of the modules it must not preload it has."""
+    """In a process forked from the server: which of the modules it may preload it has, how many
+    files torch read to give its compile caches' keys (none where they came along), and whether
+    it was left the NVML check the preload set for its import."""
+    import builtins
+
+    from torch._inductor import codecache
+
     candidates = ("torch._inductor.compile_fx", "torchvision")
-    Path(out).write_text(" ".join(name for name in candidates if name in sys.modules) or "none")
+    read, real_open = [], builtins.open
+    builtins.open = lambda *args, **kwargs: read.append(args[0]) or real_open(*args, **kwargs)
+    try:
+        for key in ("torch_key", "triton_key"):
+            getattr(codecache, key, lambda: None)()
+    finally:
+        builtins.open = real_open
+    loaded = " ".join(name for name in candidates if name in sys.modules)
+    nvml = os.environ.get(inductor_preload.NVML_CHECK)
+    Path(out).write_text(f"{loaded}; files read for the keys: {len(read)}; NVML check: {nvml}")
 
 
-def test_the_server_leaves_inductor_and_torchvision_to_the_trials_that_use_them(tmp_path):
-    """Inductor stays out because importing it on a host with a CUDA GPU marks every process
-    forked afterwards as unable to use CUDA; torchvision because the CNNs never import it."""
+def test_the_server_preloads_inductor_for_the_processes_that_compile_and_not_torchvision(tmp_path):
     child = forkserver().Process(target=loaded_modules, args=(str(tmp_path / "modules"),))
     child.start()
     child.join(HANG_GUARD_S)
     assert child.exitcode == 0
-    assert (tmp_path / "modules").read_text() == "none"
+    loaded = "torch._inductor.compile_fx; files read for the keys: 0; NVML check: None"
+    assert (tmp_path / "modules").read_text() == loaded
+
+
+@pytest.mark.skipif(not torch.cuda._is_compiled(), reason="torch's CUDA check: needs a torch built with CUDA")
+def test_inductor_is_imported_with_torchs_cuda_check_answered_without_starting_cuda(monkeypatch):
+    """torch 2.11's inductor asks torch.cuda.is_available() at import; its default answer starts
+    CUDA (cudaGetDeviceCount), after which no forked process can use it (on an H100)."""
+    started = []
+    monkeypatch.setattr(torch._C, "_cuda_getDeviceCount", lambda: started.append(1) or 0)
+    monkeypatch.setattr(torch.cuda, "_device_count_nvml", lambda: 2)
+    monkeypatch.delenv(inductor_preload.NVML_CHECK, raising=False)
+    with inductor_preload.cuda_checked_by_nvml():
+        assert torch.cuda.is_available() and not started
+    assert inductor_preload.NVML_CHECK not in os.environ
+    torch.cuda.is_available()
+    assert started  # outside, torch's default check: the one that starts CUDA
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a compiled trial on CUDA: needs a CUDA GPU")

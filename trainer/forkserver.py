@@ -4,12 +4,11 @@ without paying those imports again (2-3 s of CPU each on a 2-core host, and the 
 restart of a DDP group or job of a DDP sweep).
 
 Preloaded: the modules every run imports, the trainer's CLI and its Trainer (Hydra, torch),
-torch._dynamo (torch.optim loads it when it makes an optimizer) and TensorBoard's writer. Not
-inductor: on a host with a CUDA GPU, `import torch._inductor.compile_fx` marks every process
-forked after it as unable to use CUDA (torch 2.11 on an H100,
-outputs/readme/gpu_h100x2_2026-11-26g.md), so a process that compiles imports it itself. None
-of the preloaded modules starts CUDA: each forked process starts its own context. Other modules
-a run of some setting would not import (torchvision for the CNNs) stay out.
+torch._dynamo (torch.optim loads it when it makes an optimizer), TensorBoard's writer, and
+inductor with its cache keys (trainer/inductor_preload.py, imported so that it starts no CUDA),
+which a process that compiles would otherwise import and work out at its first torch.compile.
+None of the preloaded modules starts CUDA: each forked process starts its own context. Other
+modules a run of some setting would not import (torchvision for the CNNs) stay out.
 
 A forked process starts with the server's environment, from when the server started; the
 caller's environment of now travels with each process (`environment_now`, `take_environment`).
@@ -38,6 +37,7 @@ PRELOAD = (
     "trainer.trainer",
     "torch._dynamo",
     "torch.utils.tensorboard",
+    "trainer.inductor_preload",
 )
 # This process's environment when this module was imported: in the server (which imports it
 # with PRELOAD), the environment every forked process starts with.
