@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import resource
 import signal
+import threading
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import compose_config, read_metrics
+from conftest import HANG_GUARD_S, compose_config, read_metrics
 
 from trainer import Trainer, checkpoint
 from trainer.config import ConfigError
@@ -94,21 +95,21 @@ def test_checkpoint_holds_everything_a_resume_needs_and_no_temporary_file_is_lef
 def test_a_save_that_fails_keeps_the_previous_checkpoint_and_says_why_in_one_line(tmp_path, monkeypatch):
     """The second save meets a file-size limit (as it would a full disk): the first checkpoint
     stays, the partial file goes, and the error names the file and the reason."""
-    real_save = checkpoint.save
-    saves = []
+    real_write = checkpoint.write_atomic
+    writes = []
 
-    def save_under_a_file_size_limit_the_second_time(*args, **kwargs):
-        saves.append(1)
-        if len(saves) < 2:
-            return real_save(*args, **kwargs)
+    def write_under_a_file_size_limit_the_second_time(*args, **kwargs):
+        writes.append(threading.current_thread() is not threading.main_thread())
+        if len(writes) < 2:
+            return real_write(*args, **kwargs)
         soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
         resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, hard))
         try:
-            return real_save(*args, **kwargs)
+            return real_write(*args, **kwargs)
         finally:
             resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
 
-    monkeypatch.setattr(checkpoint, "save", save_under_a_file_size_limit_the_second_time)
+    monkeypatch.setattr(checkpoint, "write_atomic", write_under_a_file_size_limit_the_second_time)
 
     with pytest.raises(checkpoint.CheckpointNotWritten) as caught:
         Trainer(compose_config("epochs=2"), tmp_path / "run").fit()
@@ -119,6 +120,30 @@ def test_a_save_that_fails_keeps_the_previous_checkpoint_and_says_why_in_one_lin
     assert load_checkpoint(tmp_path / "run")["epoch"] == 1
     assert list((tmp_path / "run").rglob("*.tmp")) == []
     assert read_metrics(tmp_path / "run")["status"] == "failed"
+    assert writes == [True, True]  # both written beside the training, the error raised all the same
+
+
+def test_a_checkpoint_is_written_beside_the_training_and_on_disk_once_waited_for(tmp_path, monkeypatch):
+    """save() returns with the file still being written (the write is held here until released);
+    wait() returns once it is whole, holding the state as of the save, not as of the write."""
+    released, real_write = threading.Event(), checkpoint.write_atomic
+
+    def held_write(*args, **kwargs):
+        assert released.wait(HANG_GUARD_S)
+        real_write(*args, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "write_atomic", held_write)
+    model, path = torch.nn.Linear(2, 2), tmp_path / "last.pt"
+    saver = checkpoint.Saver()
+    saver.save(path, {"model": model}, step=1)
+    saved_weight = model.weight.detach().clone()
+    with torch.no_grad():
+        model.weight.add_(1.0)  # the next epoch's training, while the write waits
+    assert not path.exists()
+    released.set()
+    saver.wait()
+    assert torch.equal(torch.load(path, weights_only=False)["model"]["weight"], saved_weight)
+    assert list(tmp_path.glob("*.tmp")) == []
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ import logging
 import os
 import random
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from trainer.atomic import NotWritten, remove_leftovers, write_atomic
@@ -31,17 +32,49 @@ CONTENTS = ("model", "optimizer", "scheduler", "scaler", "progress", "rng", "con
 CheckpointNotWritten = NotWritten
 
 
-def atomic_save(obj: object, path: Path) -> None:
-    """A reader sees the old file or the new one, never half of one (trainer.atomic).
-
-    Serialized in memory first: torch's own file writer reports a full disk or a file-size
-    limit only as "enforce fail at inline_container.cc", a plain write says which it was.
-    """
+def serialized(obj: object) -> memoryview:
+    """torch.save's bytes, made in memory: torch's own file writer reports a full disk or a
+    file-size limit only as "enforce fail at inline_container.cc", a plain write says which it was."""
     import torch
 
     buffer = io.BytesIO()
     torch.save(obj, buffer)
-    write_atomic(path, buffer.getbuffer(), "the checkpoint")
+    return buffer.getbuffer()
+
+
+class Saver:
+    """A run's checkpoints, each serialized on the caller's thread (the file holds the state as
+    of the call) and written to disk on a thread of its own while training goes on, one at a
+    time. Written in place, a ResNet-18 run's 14 checkpoints held its training thread for 1.5 s
+    on an H100 host, most of it fsync and the rename over the last file
+    (outputs/readme/gpu_h100x2_2026-11-26h.md). `wait` returns once the last one is on disk and
+    raises NotWritten (one line) where the disk refused it; the run waits before its next save,
+    its next record, a stop's resume hint and its end, so nothing it reports is still in flight."""
+
+    def __init__(self) -> None:
+        self._pending: Future | None = None
+
+    def save(self, path: Path, stateful: dict, **extra) -> None:
+        """state_of(stateful, extra) into `path`, atomically (trainer.atomic), once this returns
+        and `wait` has."""
+        self.wait()
+        data = serialized(state_of(stateful, extra))
+        writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
+        self._pending = writer.submit(write_atomic, path, data, "the checkpoint")
+        writer.shutdown(wait=False)  # its thread ends once the write has
+
+    def wait(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def wait_logging_refusal(self) -> None:
+        """wait() for a run that is failing already: its own error is the one raised, a refused
+        checkpoint is logged."""
+        try:
+            self.wait()
+        except NotWritten as refused:
+            log.error("%s", refused)
 
 
 def seed_rngs(seed: int) -> None:
@@ -100,11 +133,9 @@ def load_checkpoint(resume: str) -> tuple[Path, dict]:
         raise TrainerError(f"resume={resume}: {path} is not a readable checkpoint ({error})") from None
 
 
-def save(path: Path, stateful: dict, **extra) -> None:
-    """The state_dict of each named object, the RNG states and `extra`, atomically."""
-    atomic_save(
-        {**{name: obj.state_dict() for name, obj in stateful.items()}, "rng": rng_states(), **extra}, path
-    )
+def state_of(stateful: dict, extra: dict) -> dict:
+    """What a checkpoint holds: the state_dict of each named object, the RNG states and `extra`."""
+    return {**{name: obj.state_dict() for name, obj in stateful.items()}, "rng": rng_states(), **extra}
 
 
 def restore(resume: str, state: dict, stateful: dict) -> None:

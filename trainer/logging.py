@@ -139,12 +139,25 @@ class RunLog:
         self.writer = SummaryWriter(str(run_dir / "tb"))
         self.settings_writer = None  # <run>/schedule: opened with the first setting written
 
+    @contextlib.contextmanager
+    def events_written(self):
+        """TensorBoard's writer raises a write its thread could not make (a full disk) as a
+        bare OSError at the next event or at close: here NotWritten, one line with the fix."""
+        try:
+            yield
+        except OSError as error:
+            raise NotWritten(
+                f"could not write TensorBoard's events under {self.run_dir} ({error.strerror or error}): "
+                f"{RUN_FOLDER_FIX}"
+            ) from None
+
     def scalars(self, step: int, values: dict) -> None:
         """At x = step x x_per_step (tb_step: images trained on, or optimizer steps); the
         settings (tags.SETTINGS) into the run's schedule/ folder, the figures into tb/."""
-        for tag, value in values.items():
-            if value is not None:
-                self.writer_of(tag).add_scalar(tag, value, step * self.x_per_step)
+        with self.events_written():
+            for tag, value in values.items():
+                if value is not None:
+                    self.writer_of(tag).add_scalar(tag, value, step * self.x_per_step)
 
     def writer_of(self, tag: str):
         if tag not in tags.SETTINGS:
@@ -175,15 +188,17 @@ class RunLog:
         # Booleans and integers as text: TensorBoard would show them as 0/1 and 128.00.
         shown = {k: str(v).lower() if isinstance(v, (bool, int)) else v for k, v in config.items()}
         _, session_start, session_end = hparams(shown, {})
-        self.writer.file_writer.add_summary(session_start)
-        self.writer.file_writer.add_summary(session_end)
+        with self.events_written():
+            self.writer.file_writer.add_summary(session_start)
+            self.writer.file_writer.add_summary(session_end)
 
     def close(self) -> None:
-        try:
-            self.writer.close()
-        finally:
-            if self.settings_writer is not None:
-                self.settings_writer.close()
+        with self.events_written():
+            try:
+                self.writer.close()
+            finally:
+                if self.settings_writer is not None:
+                    self.settings_writer.close()
 
 
 class SilentRunLog(RunLog):

@@ -6,12 +6,13 @@
         run.finish(loop.train(parts, progress, run, evaluate, started))
     summary = run.close()                  # metrics.json, TensorBoard HParams
 
-Owns: the checkpoint (saved after each epoch and at a stop, restored on resume), metrics.json
-(after each epoch, at the end, and as the failure record of a run that fails), the TensorBoard
-events, the profiler's trace, the exported model; each epoch's report (a log line, scalars,
-the slow-input hint); SIGINT/SIGTERM as requests to stop at a step every rank agrees on; the
-summary, and in a process that launched ranks, rank 0's. The folder's name is default_run_dir's
-when none is given; the Trainer holds its lock (trainer/run_lock.py) around all of the above.
+Owns: the checkpoint (saved after each epoch, written while the next trains, and at a stop;
+restored on resume), metrics.json (after each epoch, at the end, and as the failure record of
+a run that fails), the TensorBoard events, the profiler's trace, the exported model; each
+epoch's report (a log line, scalars, the slow-input hint); SIGINT/SIGTERM as requests to stop
+at a step every rank agrees on; the summary, and in a process that launched ranks, rank 0's.
+The folder's name is default_run_dir's when none is given; the Trainer holds its lock
+(trainer/run_lock.py) around all of the above.
 Must not touch: how the parts are built (trainer/assembly.py), the order of work in an epoch
 or a step (trainer/loop.py), process groups (trainer/distributed.py).
 """
@@ -81,6 +82,7 @@ class Run:
         self.stop_signal: str | None = None  # a stop every rank agreed on
         self.stop_requested: str | None = None  # the signal this process got
         self.stop_asked_at: int | None = None  # the step it came at
+        self.saver = checkpoint.Saver()  # writes each checkpoint beside the training
 
     def load_resume(self) -> tuple[Path, dict] | None:
         return checkpoint.load_checkpoint(self.cfg.resume) if self.cfg.resume else None
@@ -150,9 +152,10 @@ class Run:
     # ------------------------------------------------------------------ each epoch, the end
 
     def epoch_done(self, record: dict) -> None:
+        self.saver.wait()  # the last epoch's checkpoint on disk (or its error) before this epoch's records
         epoch_report.report_epoch(self.log, self.progress, self.parts, record)
-        self.save_checkpoint()
         self.log.metrics(self.summary(self.parts.ranks))
+        self.save_checkpoint()  # written while the next epoch trains
 
     def finish(self, epochs_run: int) -> None:
         """After the loop: interrupted (saved where it stopped) or completed (exported as asked)."""
@@ -160,6 +163,7 @@ class Run:
         if self.stop_signal:
             self.status = "interrupted"
             self.save_checkpoint()
+            self.saver.wait()  # on disk before the line that says to resume from it
             log.warning(
                 "stopped by %s at step %d%s; checkpoint saved. Continue with %s",
                 self.stop_signal,
@@ -181,6 +185,7 @@ class Run:
             self.exported = path_in(self.run_dir, exported)
 
     def close(self) -> dict:
+        self.saver.wait()
         summary = self.summary(self.parts.ranks)
         self.log.metrics(summary)
         self.log.hparams(shown_hparams(self.config, self.overrides))
@@ -205,7 +210,7 @@ class Run:
 
     def save_checkpoint(self) -> None:
         if self.parts.ranks.is_main:
-            checkpoint.save(
+            self.saver.save(
                 self.run_dir / checkpoint.CHECKPOINT,
                 self.stateful(),
                 config=self.config,
@@ -250,6 +255,7 @@ class Run:
 
     def record_failure(self, error: BaseException, ranks: Ranks | None) -> None:
         """A failed run leaves a complete metrics.json that says so (and no new checkpoint)."""
+        self.saver.wait_logging_refusal()  # a checkpoint already on its way is kept
         self.status = "interrupted" if isinstance(error, KeyboardInterrupt) else "failed"
         if isinstance(error, Diverged):
             self.status = "diverged"
