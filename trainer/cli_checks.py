@@ -151,7 +151,10 @@ def chosen_launcher(hydra_overrides: list[str]) -> str:
     )
 
 
-def check_command_line(args: list[str]) -> None:
+def check_command_line(args: list[str]) -> bool:
+    """The command line checked (one line per problem: ConfigError); returns whether it is a
+    sweep under hydra/launcher=parallel that runs on this machine (its workers then come from
+    the trainer's forkserver, trainer/parallel_jobs.py)."""
     slip = override_slip(args)
     if slip is not None:
         raise ConfigError(f"{slip} (overrides take no dashes and no spaces around '=')")
@@ -162,9 +165,10 @@ def check_command_line(args: list[str]) -> None:
             "sweeps (-m) under torchrun are not supported: run the sweep without "
             "torchrun; with ddp=true each job launches its own processes"
         )
+    parallel = multirun and chosen_launcher(hydra_overrides) == "parallel"
     if multirun:
         fixed, jobs = check_sweep(overrides, machine)
-        if chosen_launcher(hydra_overrides) == "parallel" and any(cfg.ddp for cfg in jobs):
+        if parallel and any(cfg.ddp for cfg in jobs):
             raise ConfigError(
                 "ddp=true inside hydra/launcher=parallel: each job holds one GPU, and a DDP job "
                 "would launch ranks onto GPUs the other jobs hold. Run a DDP sweep without "
@@ -177,6 +181,7 @@ def check_command_line(args: list[str]) -> None:
         check_composition(
             overrides, machine, OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"])
         )
+    return parallel and machine
 
 
 def check_sweep(overrides: list[str], machine: bool = True) -> tuple[list[str], list[TrainConfig]]:

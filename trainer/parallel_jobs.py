@@ -113,8 +113,7 @@ def workers_from_forkserver() -> None:
 
     from trainer import forkserver
 
-    if forkserver.available():
-        forkserver.start()
+    if forkserver.start_method() == "forkserver":
         set_start_method("forkserver", force=True)
 
 
