@@ -14,6 +14,7 @@ import types
 
 from conftest import SMALL, cli_environment
 
+from trainer import process_exit
 from trainer.perf import stop_compile_workers
 from trainer.process_exit import exit_code_of
 
@@ -72,6 +73,26 @@ def test_a_closed_stdout_or_a_ctrl_c_end_the_process_as_the_interpreter_would():
     # a run that stopped on a signal and says so with 130 keeps its code
     stopped = "import sys\nfrom trainer.process_exit import run\nrun(lambda: sys.exit(130))"
     assert subprocess.run([sys.executable, "-c", stopped], env=cli_environment()).returncode == 130
+
+
+def test_a_profiled_command_ends_through_the_interpreter_and_keeps_its_profile(tmp_path, monkeypatch):
+    """`python -m cProfile -o FILE` writes FILE at the interpreter's exit, which os._exit would
+    skip: under a profiler the process ends the interpreter's way. From Python 3.12 cProfile
+    registers through sys.monitoring, where sys.getprofile() stays None: that is asked too."""
+    script = tmp_path / "command.py"
+    script.write_text("from trainer.process_exit import run\nrun(lambda: 4)\n")
+    profile = tmp_path / "command.prof"
+    command = [sys.executable, "-m", "cProfile", "-o", str(profile), str(script)]
+    assert subprocess.run(command, env=cli_environment()).returncode in (0, 4)  # cProfile's own code
+    assert profile.stat().st_size > 0
+
+    profiler_id, debugger_id = 2, 0
+    tools = {profiler_id: "cProfile"}
+    monitoring = types.SimpleNamespace(DEBUGGER_ID=debugger_id, PROFILER_ID=profiler_id, get_tool=tools.get)
+    monkeypatch.setattr(sys, "monitoring", monitoring, raising=False)
+    assert process_exit.watched()
+    tools.clear()
+    assert not process_exit.watched() or sys.gettrace() is not None  # pytest's own tracer, if any
 
 
 def test_compile_workers_are_stopped_in_a_thread_the_exit_waits_for(monkeypatch):

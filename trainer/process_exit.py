@@ -14,7 +14,7 @@ is stopped as at a normal exit.
         process_exit.run(main)
 
 Only for a process's own entry point: a caller of main() in Python (a test) keeps running.
-Under a debugger or profiler (`python -m cProfile -m trainer`), or with TRAINER_FULL_EXIT set,
+Under a debugger or profiler (`python -m cProfile -m trainer`; `watched`), or with TRAINER_FULL_EXIT set,
 the process ends through the interpreter's own exit instead.
 """
 
@@ -35,7 +35,7 @@ KEEP_TEARDOWN = "TRAINER_FULL_EXIT"  # set (to anything): end through the interp
 
 
 def run(main: Callable[[], object]) -> NoReturn:
-    if sys.gettrace() is not None or sys.getprofile() is not None or os.environ.get(KEEP_TEARDOWN):
+    if watched() or os.environ.get(KEEP_TEARDOWN):
         sys.exit(main())  # under a debugger or profiler, which act at the interpreter's exit
     ctrl_c = []  # an uncaught Ctrl-C, not a run that stopped on one and exits 130 itself
 
@@ -64,6 +64,20 @@ def run(main: Callable[[], object]) -> NoReturn:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
     os._exit(code)
+
+
+def watched() -> bool:
+    """Whether a debugger or profiler watches this process: through sys.settrace or
+    sys.setprofile, or through sys.monitoring (Python 3.12 on), where cProfile registers from
+    3.12 and sys.getprofile() stays None: os._exit then ended `python -m cProfile -o ...` before
+    it wrote its file."""
+    if sys.gettrace() is not None or sys.getprofile() is not None:
+        return True
+    monitoring = getattr(sys, "monitoring", None)
+    if monitoring is None:
+        return False
+    tools = (monitoring.DEBUGGER_ID, monitoring.PROFILER_ID)
+    return any(monitoring.get_tool(tool) is not None for tool in tools)
 
 
 def exit_code_of(main: Callable[[], object]) -> int:
