@@ -12,6 +12,11 @@ warm-up's own calls in order (each training step's forward and backward, its opt
 evaluation; CUDA synchronized around each), which show what of compile_s lies outside dynamo:
 loading the compiled kernels at their first call, CUDA graphs recorded, cuDNN's autotuning.
 
+Its runs wrap the warm-up's calls, and a plain `python -m trainer` of the same overrides does
+not read in full the caches they wrote: the first plain run after a breakdown compiled in part
+anew (compile_s 14.2 and 15.0 s against 3.1-3.7 s, fast CNN, two GPU hosts; record
+outputs/readme/gpu_h200x2_h100_2026-11-26i.md). Time plain runs before a breakdown, not after.
+
 A development tool: it decides nothing and writes only under --out.
 """
 
