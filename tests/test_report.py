@@ -262,6 +262,20 @@ def test_jobs_differing_only_in_seed_share_a_row_with_mean_and_std(seed_sweep, t
     assert "±" in cells[header.index("img/s")] and "±" in cells[header.index("test acc")]
 
 
+def test_each_row_says_where_its_wall_time_went(seed_sweep, tmp_path, capsys):
+    """Start-up, set-up and compile beside the wall time, as each job's metrics.json has them:
+    what a job cost besides training, the same figures as in metrics.json and TensorBoard."""
+    code, out, _ = run_report(seed_sweep, "--out", tmp_path, capsys=capsys)
+    assert code == 0
+    header = markdown_rows(out, "job")[0]
+    assert header.index("start-up") < header.index("set-up") < header.index("compile") < header.index("wall")
+    [row] = [row for row in read_csv(tmp_path) if row["optim.lr"] == "0.05"]
+    jobs = [job for job in job_metrics(seed_sweep).values() if "optim.lr=0.05" in job["overrides"]]
+    for key in ("startup_s", "setup_s"):
+        assert float(row[key]) == pytest.approx(statistics.fmean(job[key] for job in jobs))
+        assert all(job[key] > 0 for job in jobs)
+
+
 def test_unfinished_jobs_and_missing_metrics_never_break_the_report(toggle_sweep, tmp_path, capsys):
     sweep_copy = copy_sweep(toggle_sweep, tmp_path / "sweep", ignore=LEAN)
     (sweep_job(sweep_copy, 3) / "metrics.json").unlink()  # a job killed before it wrote anything

@@ -42,6 +42,10 @@ COLUMNS = (
     Column("test_acc_change", "Δ acc vs baseline", show_change),
     Column("peak_mem_mb", "peak mem MB", "{:,.0f}".format, "{:,.0f}".format),
     Column("data_wait_frac", "data wait", "{:.1%}".format, "{:.1%}".format),
+    # where a job's wall time went besides training: the process (or, for a sweep's later job in
+    # the same process, the job) before its set-up, the set-up, the warm-up's compile
+    Column("startup_s", "start-up", "{:.1f} s".format, "{:.1f}".format),
+    Column("setup_s", "set-up", "{:.1f} s".format, "{:.1f}".format),
     Column("compile_s", "compile", "{:.1f} s".format, "{:.1f}".format),  # warm-up before the clock
     Column("wall_s", "wall", "{:.1f} s".format, "{:.1f}".format),  # the run from its start to its end
     Column("time_to_target_s", "time to target", "{:.1f} s".format, "{:.1f}".format),  # the last column
