@@ -98,6 +98,10 @@ def test_the_report_reads_a_parallel_sweep(failing_sweep, tmp_path):
     assert rows[0].startswith("| job | batch_size |")
     assert [row.split(" | ")[1] for row in rows[1:]] == ["16", "32", "4096"]
     assert rows[-1].endswith("| failed |")
+    # the jobs shared the CPU's cores: one line says their images/s is below each one's alone
+    assert read_metrics(sweep_job(folder, 0))["jobs_at_once"] == 2
+    note = "img/s: every job ran 2 at a time on this host's CPU (hydra/launcher=parallel)"
+    assert note in (folder / "report.md").read_text()
 
 
 def probe_model(num_classes: int) -> torch.nn.Module:

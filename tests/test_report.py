@@ -251,7 +251,7 @@ def test_jobs_differing_only_in_seed_share_a_row_with_mean_and_std(seed_sweep, t
     code, out, _ = run_report(seed_sweep, "--out", tmp_path, capsys=capsys)
     assert code == 0
     [row] = [row for row in read_csv(tmp_path) if row["optim.lr"] == "0.05"]
-    jobs = job_metrics(seed_sweep).values()
+    jobs = jobs_metrics = list(job_metrics(seed_sweep).values())
     speeds = [job["img_per_s"] for job in jobs if "optim.lr=0.05" in job["overrides"]]
     assert row["n"] == "2" and "seed" not in row
     assert float(row["img_per_s"]) == pytest.approx(statistics.fmean(speeds))
@@ -260,6 +260,8 @@ def test_jobs_differing_only_in_seed_share_a_row_with_mean_and_std(seed_sweep, t
     header = markdown_rows(out, "job")[0]
     assert cells[header.index("n")] == "2"
     assert "±" in cells[header.index("img/s")] and "±" in cells[header.index("test acc")]
+    # one after another (the basic launcher): no job shared the host with another
+    assert all(job["jobs_at_once"] is None for job in jobs_metrics) and "on this host's CPU" not in out
 
 
 def test_each_row_says_where_its_wall_time_went(seed_sweep, tmp_path, capsys):

@@ -67,7 +67,7 @@ def run(
     try:
         # the folder's lock: taken by main() already where the command line names the folder
         with parallel_jobs.job_resources(cfg, parallel) as job_cfg, run_lock.owned(run_dir):
-            metrics = Trainer.for_run(job_cfg, run_dir, overrides).fit()
+            metrics = Trainer.for_run(job_cfg, run_dir, overrides, jobs_at_once=parallel).fit()
     except TrainerError as error:
         if parallel:
             log.error("%s", error)

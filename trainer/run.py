@@ -78,6 +78,7 @@ class Run:
         self.startup_s: float | None = None  # the process (or sweep job) before this run's set-up
         self.setup_s: float | None = None  # the assembly (data, model, optimizer) and the restore
         self.setup_data_s: float | None = None  # of setup_s, the data's part
+        self.jobs_at_once: int | None = None  # hydra/launcher=parallel's n_jobs, for its sweep's jobs
         self.ranks_record: dict = {}  # a launcher's: rank 0's metrics.json when the ranks failed
         self.stop_signal: str | None = None  # a stop every rank agreed on
         self.stop_requested: str | None = None  # the signal this process got
@@ -250,6 +251,7 @@ class Run:
             "startup_s": self.startup_s,
             "setup_s": self.setup_s,
             "setup_data_s": self.setup_data_s,
+            "jobs_at_once": self.jobs_at_once,
             "wall_s": timing.wall_s(),
         }
 

@@ -45,6 +45,7 @@ class Trainer:
         *,
         ranks: Ranks | None = None,
         overrides: list[str] | None = None,
+        jobs_at_once: int | None = None,
     ):
         timing.start_run()
         self.cfg: TrainConfig = to_train_config(cfg)
@@ -52,15 +53,18 @@ class Trainer:
         self.progress = Progress()  # the loop advances it; the run saves and reports it
         self.parts: Parts | None = None  # build's
         self.run = Run(self.cfg, run_dir, overrides, self.progress)
+        self.run.jobs_at_once = jobs_at_once  # a parallel sweep's job: how many of its jobs run at once
         self.run.startup_s = timing.wall_s()  # the interpreter, imports, Hydra, the checks
         self.config = self.run.config  # the resolved config, as checkpoints save it
 
     @classmethod
-    def for_run(cls, cfg, run_dir: str | Path, overrides: list[str]) -> Trainer:
+    def for_run(
+        cls, cfg, run_dir: str | Path, overrides: list[str], jobs_at_once: int | None = None
+    ) -> Trainer:
         """A Trainer for a run folder that already exists (Hydra's); a config it rejects
         still leaves a metrics.json saying why."""
         try:
-            return cls(cfg, run_dir, overrides=overrides)
+            return cls(cfg, run_dir, overrides=overrides, jobs_at_once=jobs_at_once)
         except TrainerError as error:
             record_rejected_config(Path(run_dir), error, overrides)
             raise

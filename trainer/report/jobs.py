@@ -106,7 +106,10 @@ def read_metrics(folder: Path) -> tuple[dict, str]:
 
 
 # The figures the report computes with, in metrics.json and in each epoch of its history.
-NUMBERS = (*JOB_NUMBERS, "time_to_target_s", "target_acc", "best_test_acc", "test_acc_tta", "mfu")
+NUMBERS = (
+    *JOB_NUMBERS,
+    *("time_to_target_s", "target_acc", "best_test_acc", "test_acc_tta", "mfu", "jobs_at_once"),
+)
 HISTORY_NUMBERS = ("test_acc", "test_acc_tta", "train_time_s", "eval_s", "wall_s", "img_per_s", "epoch_s")
 
 

@@ -77,6 +77,28 @@ def warm_up_note(rows: list[Row]) -> list[str]:
     ]
 
 
+def side_by_side_note(rows: list[Row]) -> list[str]:
+    """One line when jobs ran beside each other on one CPU (hydra/launcher=parallel): they
+    shared its cores, so each one's images/s is below what it would do alone. On GPUs, each
+    job holds a GPU of its own (README, "Sweeps on every GPU": as fast beside another as alone)."""
+    timed = [job for row in rows for job in row.jobs if job.numbers.get("img_per_s")]
+    shared = [
+        job
+        for job in timed
+        if (job.metrics.get("jobs_at_once") or 1) > 1 and str(job.metrics.get("device")).startswith("cpu")
+    ]
+    if not shared:
+        return []
+    which = "every job" if len(shared) == len(timed) else f"job {', '.join(job.name for job in shared)}"
+    at_once = max(job.metrics["jobs_at_once"] for job in shared)
+    return [
+        f"img/s: {which} ran {at_once} at a time on this host's CPU (hydra/launcher=parallel), "
+        "sharing its cores, so each ran slower than it would alone (on 2 cores 892 against 1,441 "
+        'img/s: README, "Sweeps on every GPU"); for images/s that compare, sweep under the basic '
+        "launcher (without hydra/launcher=parallel)."
+    ]
+
+
 def markdown_table(rows: list[Row], target_acc: float | None) -> list[str]:
     shown = columns(target_acc)
     headers = ["job", *rows[0].settings, "n", *(column.header for column in shown), "status"]
@@ -111,7 +133,7 @@ def markdown_report(title: str, rows: list[Row], baseline_note: str, effects, ta
             f"Time to target: training + evaluation seconds until the test accuracy (with TTA where "
             f"used) first reached {reached}."
         )
-    lines += warm_up_note(rows)
+    lines += warm_up_note(rows) + side_by_side_note(rows)
     lines += ["", *markdown_table(rows, target_acc)]
     if effects:
         lines += [
