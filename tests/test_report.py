@@ -266,7 +266,7 @@ def test_jobs_differing_only_in_seed_share_a_row_with_mean_and_std(seed_sweep, t
 
 def test_each_row_says_where_its_wall_time_went(seed_sweep, tmp_path, capsys):
     """Start-up, set-up and compile beside the wall time, as each job's metrics.json has them:
-    what a job cost besides training, the same figures as in metrics.json and TensorBoard."""
+    what a job cost besides training, the same figures as in its metrics.json."""
     code, out, _ = run_report(seed_sweep, "--out", tmp_path, capsys=capsys)
     assert code == 0
     header = markdown_rows(out, "job")[0]
