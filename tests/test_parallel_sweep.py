@@ -130,10 +130,23 @@ def test_the_workers_are_forked_from_the_preloaded_server_and_a_job_finds_a_fres
 
 
 def test_ddp_inside_a_parallel_sweep_is_refused_before_any_job(tmp_path):
+    """Refused in one line. The forkserver, which the sweep's process starts before its checks,
+    ends with it: no process is left in the command's folder."""
     result = run_cli(*PARALLEL, *SWEEP_SMALL, "ddp=false,true", "devices=2", cwd=tmp_path)
     assert result.returncode == 2
     assert result.stderr.startswith("trainer: error: ddp=true inside hydra/launcher=parallel:")
     assert not (tmp_path / "outputs").exists()
+    assert all_end(processes_in(tmp_path))
+
+
+def processes_in(folder: Path) -> list[int]:
+    """The processes whose working folder is `folder` (Linux)."""
+    found = []
+    for cwd in Path("/proc").glob("[0-9]*/cwd"):
+        with contextlib.suppress(OSError):
+            if cwd.resolve(strict=True) == folder.resolve():
+                found.append(int(cwd.parent.name))
+    return found
 
 
 def descendants(pid: int) -> set[int]:

@@ -19,7 +19,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from trainer import bytecode, parallel_jobs, process_exit, run_lock, sweep_summary
-from trainer.cli_checks import CONF_DIR, check_command_line, split_command_line
+from trainer.cli_checks import CONF_DIR, check_command_line, parallel_sweep_here, split_command_line
 from trainer.cli_help import register_help
 from trainer.config import TrainerError, register_schema
 from trainer.torchrun_env import started_by_torchrun
@@ -108,12 +108,14 @@ def named_run_folder(args: list[str]) -> str | None:
 def main() -> None:
     args = sys.argv[1:]
     try:
-        parallel_sweep_here = check_command_line(args)
+        if parallel_sweep_here(args):
+            # first: the server's imports overlap the checks and the sweep's start; a command
+            # the checks refuse ends it with this process (forkserver.stop)
+            parallel_jobs.workers_from_forkserver()
+        check_command_line(args)
     except TrainerError as error:
         print(f"trainer: error: {error}", file=sys.stderr)
         sys.exit(2)
-    if parallel_sweep_here:
-        parallel_jobs.workers_from_forkserver()  # now: its imports overlap the sweep's start
     if started_by_torchrun() and not any(arg.startswith("hydra.run.dir=") for arg in args):
         sys.argv += torchrun_overrides()
     # A folder a live run owns is refused before Hydra writes its config and log there.

@@ -109,11 +109,11 @@ def workers_from_forkserver() -> None:
     (README, "Sweeps on every GPU"). loky takes any of multiprocessing's start methods; the
     thread limits joblib would set in a loky worker's environment are each job's own here
     (`job_resources`)."""
-    from joblib.externals.loky.backend.context import set_start_method
-
     from trainer import forkserver
 
-    if forkserver.start_method() == "forkserver":
+    if forkserver.start_method() == "forkserver":  # the server first: joblib's import can wait
+        from joblib.externals.loky.backend.context import set_start_method
+
         set_start_method("forkserver", force=True)
 
 
