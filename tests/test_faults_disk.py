@@ -11,10 +11,12 @@ import errno
 import json
 import logging
 import resource
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from conftest import compose_config
+from conftest import cli_environment, compose_config
 
 from trainer import Trainer, checkpoint
 from trainer import logging as run_logging
@@ -81,6 +83,43 @@ def test_a_disk_that_fills_at_any_write_loses_nothing_written(tmp_path, caplog, 
     if record["status"] != "failed":  # even the status could not be written: the log says so
         assert "the final record (status failed) could not be written" in caplog.text
         assert f"still says {record['status']}" in caplog.text
+
+
+FAILING_EVENT_WRITER = """
+import errno, sys
+from pathlib import Path
+from tensorboard.summary.writer.record_writer import RecordWriter
+from trainer.config import TrainerError
+from trainer.logging import RunLog
+
+write, written, room = RecordWriter.write, [], int(sys.argv[2])
+
+def full_disk_after_room_events(self, data):
+    if len(written) == room:
+        raise OSError(errno.ENOSPC, "No space left on device")
+    written.append(data)
+    write(self, data)
+
+RecordWriter.write = full_disk_after_room_events
+try:
+    run_log = RunLog(Path(sys.argv[1]))
+    run_log.scalars(1, {"train/loss": 1.0})
+    run_log.close()
+except TrainerError as error:
+    print(error, file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("room", [0, 1], ids=["first-event", "later-event"])
+def test_tensorboards_writer_thread_meeting_a_full_disk_prints_no_traceback(tmp_path, room):
+    """The writer's own thread meets the full disk (at the event the writer writes as it opens,
+    or at a later one) and raises there too, where Python would print that thread's traceback.
+    The run's one line is all that is printed."""
+    command = [sys.executable, "-c", FAILING_EVENT_WRITER, str(tmp_path), str(room)]
+    finished = subprocess.run(command, capture_output=True, text=True, env=cli_environment())
+    assert finished.returncode == 0, finished.stderr[-2000:]
+    assert finished.stderr.startswith(f"could not write TensorBoard's events under {tmp_path} (No space")
+    assert "Traceback" not in finished.stderr and len(finished.stderr.strip().splitlines()) == 1
 
 
 def test_a_write_tensorboard_could_not_make_ends_the_run_in_one_line_naming_the_fix(tmp_path, monkeypatch):

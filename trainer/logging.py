@@ -11,6 +11,7 @@ import contextlib
 import json
 import re
 import shlex
+import threading
 from pathlib import Path
 
 from trainer import tags
@@ -129,14 +130,36 @@ def percent(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.1f}%"
 
 
+def quiet_event_writer_errors() -> None:
+    """TensorBoard's writer thread, when a write fails (a full disk), keeps the error for the
+    writer's next call and raises it in the thread too, where Python printed its traceback on
+    stderr before the run's own line. The run reports that error in one line
+    (`RunLog.events_written`), so the thread's traceback is left out; any other thread's
+    exception goes to the hook as before. By hand: neither TensorBoard nor torch has a switch."""
+    if getattr(threading.excepthook, "quiets_event_writers", False):
+        return
+    previous = threading.excepthook
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        thread_module = type(args.thread).__module__ if args.thread is not None else ""
+        if isinstance(args.exc_value, OSError) and thread_module.startswith("tensorboard."):
+            return  # raised again at the writer's next call, where the run reports it
+        previous(args)
+
+    hook.quiets_event_writers = True
+    threading.excepthook = hook
+
+
 class RunLog:
     """Everything the main process writes into the run folder."""
 
     def __init__(self, run_dir: Path, x_per_step: int = 1):
         from torch.utils.tensorboard import SummaryWriter
 
+        quiet_event_writer_errors()
         self.run_dir, self.x_per_step = run_dir, x_per_step
-        self.writer = SummaryWriter(str(run_dir / "tb"))
+        with self.events_written():  # its first event is written here
+            self.writer = SummaryWriter(str(run_dir / "tb"))
         self.settings_writer = None  # <run>/schedule: opened with the first setting written
 
     @contextlib.contextmanager
