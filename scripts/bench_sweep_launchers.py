@@ -9,7 +9,9 @@ compile_s, train_time_s, eval_time_s and the job's wall_s.
     python scripts/bench_sweep_launchers.py --n-jobs 2 -- model=fastcnn perf=fast recipe=fastcnn_94 \
         data=imagefolder data.root=~/cifar10 seed=0,1,2,3
 
-The sweep is the overrides after `--` (default: 4 seeds of the cnn on synthetic data).
+The sweep is the overrides after `--` (default: 4 seeds of the cnn on synthetic data). The last
+two columns are what a sweep costs around its jobs: when its first job's set-up began, in seconds
+after Enter, and how long the sweep went on after its last metrics.json (medians over the sweeps).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ DEFAULT_SWEEP = [
 def run_sweep(launcher: list[str], sweep: list[str], folder: Path) -> dict:
     """One sweep in its own process: wall seconds, exit code, each job's images/s."""
     env = {**os.environ, "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}"}
-    started = time.perf_counter()
+    started, started_at = time.perf_counter(), time.time()
     result = subprocess.run(
         [sys.executable, "-m", "trainer", "-m", *launcher, *sweep, f"hydra.sweep.dir={folder}"],
         cwd=REPO,
@@ -48,9 +50,28 @@ def run_sweep(launcher: list[str], sweep: list[str], folder: Path) -> dict:
         text=True,
     )
     wall = time.perf_counter() - started
-    jobs = [json.loads(metrics.read_text()) for metrics in sorted(folder.glob("*/metrics.json"))]
+    jobs = []
+    for metrics in sorted(folder.glob("*/metrics.json")):
+        job = json.loads(metrics.read_text())
+        job["written_at_s"] = metrics.stat().st_mtime - started_at  # seconds after Enter
+        jobs.append(job)
     tail = result.stderr.strip().splitlines()[-1:] if result.returncode else []
     return {"wall_s": wall, "returncode": result.returncode, "jobs": jobs, "tail": tail}
+
+
+def sweep_edges(run: dict) -> tuple[float | None, float | None]:
+    """(seconds after Enter when the first job's set-up began, seconds from the last
+    metrics.json to the sweep's end): what the sweep costs before and after its jobs. A job
+    began at its record's time less its wall_s (a process's first job: at the process's start);
+    its set-up startup_s later."""
+    timed = [job for job in run["jobs"] if all(isinstance(job.get(k), (int, float)) for k in EDGE_KEYS)]
+    if not timed:
+        return None, None
+    first = min(job["written_at_s"] - job["wall_s"] + job["startup_s"] for job in timed)
+    return first, run["wall_s"] - max(job["written_at_s"] for job in timed)
+
+
+EDGE_KEYS = ("written_at_s", "wall_s", "startup_s")
 
 
 # Where a job's time goes (metrics.json): before the run (the process's first job: the
@@ -67,6 +88,14 @@ def job_medians(runs: list[dict]) -> list[str]:
             "-" if not values else f"{statistics.median(values):,.{0 if key == 'img_per_s' else 2}f}"
         )
     return cells
+
+
+def edge_medians(runs: list[dict]) -> list[str]:
+    edges = [sweep_edges(run) for run in runs]
+    return [
+        "-" if not values else f"{statistics.median(values):.2f}"
+        for values in ([edge[side] for edge in edges if edge[side] is not None] for side in (0, 1))
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,15 +141,15 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(
         "| launcher | wall s (median) | spread | vs basic | per job (median): images/s | startup s "
-        "| setup s | compile s | train s | eval s | job wall s |"
+        "| setup s | compile s | train s | eval s | job wall s | first set-up at s | after last job s |"
     )
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     basic = None
     for name, runs in results.items():
         walls = [run["wall_s"] for run in runs]
         median = statistics.median(walls)
         basic = basic or median
-        cells = " | ".join(job_medians(runs))
+        cells = " | ".join([*job_medians(runs), *edge_medians(runs)])
         print(
             f"| {name} | {median:.1f} | {min(walls):.1f}-{max(walls):.1f} | {median / basic:.2f}x | {cells} |"
         )

@@ -1,5 +1,6 @@
 """scripts/bench.py without GPUs: a row keeps each run's images/s, and --merge --pool makes the
-rows of several benches (a lease's calls) one row over all their runs."""
+rows of several benches (a lease's calls) one row over all their runs; what
+scripts/bench_sweep_launchers.py reads of a sweep's cost around its jobs."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from conftest import REPO
 
 sys.path.insert(0, str(REPO / "scripts"))
 import bench  # noqa: E402 - a development script, not a package module
+import bench_sweep_launchers  # noqa: E402
 
 
 def run(rate: float) -> dict:
@@ -69,3 +71,16 @@ def test_rows_of_other_settings_or_another_gpu_are_not_pooled(tmp_path, capsys):
     lines = capsys.readouterr().out.splitlines()
     runs = [line.split(" | ")[2] for line in lines if line.startswith("| perf=")]
     assert runs == ["3", "3", "3"]  # three rows, none pooled
+
+
+def test_a_sweeps_cost_before_and_after_its_jobs_comes_from_their_records():
+    """The first job's set-up began at its record's time less its wall_s plus its startup_s; the
+    sweep went on after its last record for the rest of its wall time."""
+    jobs = [
+        {"written_at_s": 18.0, "wall_s": 9.7, "startup_s": 1.4},  # a worker's first job: 8.3 + 1.4
+        {"written_at_s": 25.5, "wall_s": 7.0, "startup_s": 0.1},  # a later job
+        {"status": "failed"},  # no timing: left out
+    ]
+    first, after = bench_sweep_launchers.sweep_edges({"wall_s": 26.0, "jobs": jobs})
+    assert (round(first, 2), round(after, 2)) == (9.7, 0.5)
+    assert bench_sweep_launchers.sweep_edges({"wall_s": 3.0, "jobs": [{"status": "failed"}]}) == (None, None)
