@@ -59,6 +59,9 @@ def run_sweep(launcher: list[str], sweep: list[str], folder: Path) -> dict:
     return {"wall_s": wall, "returncode": result.returncode, "jobs": jobs, "tail": tail}
 
 
+EDGE_KEYS = ("written_at_s", "wall_s", "startup_s")  # a job record's figures sweep_edges reads
+
+
 def sweep_edges(run: dict) -> tuple[float | None, float | None]:
     """(seconds after Enter when the first job's set-up began, seconds from the last
     metrics.json to the sweep's end): what the sweep costs before and after its jobs. A job
@@ -69,9 +72,6 @@ def sweep_edges(run: dict) -> tuple[float | None, float | None]:
         return None, None
     first = min(job["written_at_s"] - job["wall_s"] + job["startup_s"] for job in timed)
     return first, run["wall_s"] - max(job["written_at_s"] for job in timed)
-
-
-EDGE_KEYS = ("written_at_s", "wall_s", "startup_s")
 
 
 # Where a job's time goes (metrics.json): before the run (the process's first job: the

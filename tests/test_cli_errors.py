@@ -17,7 +17,7 @@ import pytest
 from conftest import REPO, SMALL, compose_config, read_metrics, run_cli, run_folders
 
 from trainer import Trainer
-from trainer.cli_checks import override_slip
+from trainer.command_line import override_slip
 from trainer.config import ConfigError, to_train_config
 from trainer.data import DatasetNotFoundError
 from trainer.trainer import NonFiniteLoss
@@ -265,7 +265,7 @@ def test_valid_command_lines_are_no_slips(args):
 
 def test_the_machine_is_not_checked_for_jobs_a_cluster_runs():
     """device=cuda on a login node without a GPU: the slurm jobs run on nodes that have one."""
-    from trainer.cli_checks import runs_here
+    from trainer.command_line import runs_here
 
     assert runs_here(["device=cuda"], []) and runs_here(["-m", "seed=0,1"], ["hydra/launcher=parallel"])
     assert not runs_here(["device=cuda", "hydra/launcher=slurm"], ["hydra/launcher=slurm"])

@@ -1,7 +1,8 @@
 """`python -m trainer [overrides]`: one run; `python -m trainer -m ...`: a sweep.
 
-Owns: the command line: its checks before Hydra makes a folder (cli_checks.py), the run
-folder's lock, then Trainer.for_run(...).fit() in Hydra's job; exit codes, one-line errors.
+Owns: the command line: what it asks for (command_line.py) and its checks before Hydra makes
+a folder (cli_checks.py), the run folder's lock, then Trainer.for_run(...).fit() in Hydra's
+job; exit codes, one-line errors.
 Must not touch: training (trainer/trainer.py and the modules it composes), the schema."""
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from trainer import bytecode, parallel_jobs, process_exit, run_lock, sweep_summary
-from trainer.cli_checks import CONF_DIR, check_command_line, parallel_sweep_here, split_command_line
+from trainer.cli_checks import CONF_DIR, check_command_line
 from trainer.cli_help import register_help
+from trainer.command_line import parallel_sweep_here, split_command_line
 from trainer.config import TrainerError, register_schema
 from trainer.torchrun_env import started_by_torchrun
 

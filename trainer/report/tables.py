@@ -63,15 +63,19 @@ def cell(value: float | None, show: Callable[[float], str]) -> str:
     return "" if value is None else show(value)
 
 
+def which_jobs(names: list[str], timed: list) -> str:
+    """The jobs a note is about: "every job" where they are all the timed ones, else by name."""
+    return "every job" if len(names) == len(timed) else f"job {', '.join(names)}"
+
+
 def warm_up_note(rows: list[Row]) -> list[str]:
     """One line naming the jobs whose images/s includes warm-up, when there are any."""
     timed = [job for row in rows for job in row.jobs if job.numbers.get("img_per_s")]
     marked = [job.name for job in timed if job.includes_warm_up]
     if not marked:
         return []
-    which = "every job" if len(marked) == len(timed) else f"job {', '.join(marked)}"
     return [
-        f"img/s{WARM_UP_MARK}: {which} timed only one epoch, warm-up included (a sweep's "
+        f"img/s{WARM_UP_MARK}: {which_jobs(marked, timed)} timed only one epoch, warm-up included (a sweep's "
         "first job also pays the process's start-up), so no speed-up is given; run with epochs>=2 "
         "and img/s leaves the first epoch out."
     ]
@@ -89,8 +93,8 @@ def side_by_side_note(rows: list[Row]) -> list[str]:
     ]
     if not shared:
         return []
-    which = "every job" if len(shared) == len(timed) else f"job {', '.join(job.name for job in shared)}"
     at_once = max(job.metrics["jobs_at_once"] for job in shared)
+    which = which_jobs([job.name for job in shared], timed)
     return [
         f"img/s: {which} ran {at_once} at a time on this host's CPU (hydra/launcher=parallel), "
         "sharing its cores, so each ran slower than it would alone (on 2 cores 892 against 1,441 "
