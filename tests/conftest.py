@@ -67,6 +67,15 @@ def one_torch_thread():
         os.environ["OMP_NUM_THREADS"] = variable
 
 
+def restored_after_test(monkeypatch, variable: str) -> None:
+    """`variable` as it is now, again after the test, whatever the code under test sets
+    (monkeypatch.delenv alone records nothing for a variable that is not set)."""
+    value = os.environ.get(variable)
+    monkeypatch.setenv(variable, value if value is not None else "")
+    if value is None:
+        monkeypatch.delenv(variable)
+
+
 def cli_environment(env: dict | None = None) -> dict:
     """The environment for a `trainer` subprocess: this checkout first on the path (then the
     caller's own PYTHONPATH, where a machine may keep Hydra), Hydra's short errors,

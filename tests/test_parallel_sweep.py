@@ -27,6 +27,7 @@ from conftest import (
     compose_config,
     ends_soon,
     read_metrics,
+    restored_after_test,
     run_cli,
     sweep_job,
 )
@@ -303,16 +304,43 @@ def test_a_workers_next_job_asks_first_for_the_gpu_its_last_job_ran_on(tmp_path,
     monkeypatch.setattr(parallel_jobs, "visible_gpus", lambda: 2)
     monkeypatch.setattr(parallel_jobs, "slot_folder", lambda: tmp_path)
     monkeypatch.setattr(parallel_jobs, "_last_gpu", None)
+    monkeypatch.setattr(parallel_jobs, "_worker_order", None)
+    restored_after_test(monkeypatch, "CUDA_VISIBLE_DEVICES")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.setattr(torch.cuda, "set_device", lambda index: None)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     devices = []
     job = OmegaConf.create({"device": "auto"})
     # another job holds GPU 0 during this worker's first job
-    with gpu_slot(2, tmp_path), parallel_jobs.job_resources(job, n_jobs=2) as cfg:
-        devices.append(cfg.device)
-    with parallel_jobs.job_resources(OmegaConf.create({"device": "auto"}), n_jobs=2) as cfg:
-        devices.append(cfg.device)  # GPU 0 is free now
+    with gpu_slot(2, tmp_path), parallel_jobs.job_resources(job, n_jobs=2) as (_, gpu):
+        devices.append(gpu)
+    with parallel_jobs.job_resources(OmegaConf.create({"device": "auto"}), n_jobs=2) as (_, gpu):
+        devices.append(gpu)  # GPU 0 is free now
     assert devices == ["cuda:1", "cuda:1"]
+
+
+def test_a_workers_cuda_sees_its_first_jobs_gpu_as_cuda_0(monkeypatch):
+    """torch's compile caches key graphs by device index: on cuda:0 in every worker, a graph
+    compiled on one GPU is read from the cache on the others."""
+    started = [False]
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: started[0])
+    monkeypatch.setattr(parallel_jobs, "_worker_order", None)
+    restored_after_test(monkeypatch, "CUDA_VISIBLE_DEVICES")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert parallel_jobs.cuda_index(4, 2) == 0
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "2,0,1,3"
+    started[0] = True  # the worker's later jobs: CUDA keeps the order it started with
+    assert [parallel_jobs.cuda_index(4, slot) for slot in range(4)] == [1, 2, 0, 3]
+
+    monkeypatch.setattr(parallel_jobs, "_worker_order", None)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-a1,GPU-b2")  # the user's own choice, by name
+    started[0] = False
+    assert parallel_jobs.cuda_index(2, 1) == 0
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "GPU-b2,GPU-a1"
+
+    monkeypatch.setattr(parallel_jobs, "_worker_order", None)
+    started[0] = True  # CUDA already started in this process: it keeps the host's order
+    assert parallel_jobs.cuda_index(2, 1) == 1
 
 
 def test_cpu_jobs_share_the_cores_and_default_to_one_at_a_time():

@@ -104,6 +104,12 @@ def test_compile_workers_are_stopped_in_a_thread_the_exit_waits_for(monkeypatch)
     thread = stop_compile_workers()
     thread.join()
     assert stopped_in == [thread] and not thread.daemon
+    # in a process that runs a sweep's jobs the pool serves the next job: it is left running
+    from trainer.perf import model
+
+    monkeypatch.setattr(model, "_workers_serve_the_sweep", False)
+    model.keep_compile_workers()
+    assert stop_compile_workers() is None and stopped_in == [thread]
     monkeypatch.delitem(sys.modules, "torch._inductor.async_compile")
     assert stop_compile_workers() is None  # nothing compiled: no pool, no thread
 

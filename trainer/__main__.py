@@ -57,19 +57,22 @@ def run(
     if parallel and sweep_summary.stop_requested(Path(sweep_dir)):
         return None  # the sweep was stopped before this job's turn
     # torch: only once the command line has passed its check
-    from trainer.perf.model import fresh_compile
+    from trainer.perf.model import fresh_compile, keep_compile_workers
     from trainer.trainer import Trainer
 
     note = bytecode.first_use_note()
     if note:
         log.info("%s", note)
 
-    if sweep:
-        fresh_compile()
     try:
         # the folder's lock: taken by main() already where the command line names the folder
-        with parallel_jobs.job_resources(cfg, parallel) as job_cfg, run_lock.owned(run_dir):
-            metrics = Trainer.for_run(job_cfg, run_dir, overrides, jobs_at_once=parallel).fit()
+        with parallel_jobs.job_resources(cfg, parallel) as (job_cfg, gpu), run_lock.owned(run_dir):
+            if sweep:
+                fresh_compile()  # after job_resources, which sets what CUDA sees before it starts
+                keep_compile_workers()
+            metrics = Trainer.for_run(
+                job_cfg, run_dir, overrides, jobs_at_once=parallel, device_name=gpu
+            ).fit()
     except TrainerError as error:
         if parallel:
             log.error("%s", error)

@@ -101,7 +101,7 @@ class Parts:
     non_finite_advice: str  # what to change when the loss stops being finite
     profile: bool  # trace a few steps with torch.profiler (the run writes the trace)
     tb_x_per_step: int  # TensorBoard's x advances this much per optimizer step (tb_step)
-    description: str  # device, model and data in one line, for the run's log
+    description: str  # model and data in one line, for the run's log
 
 
 def nothing() -> None:
@@ -176,7 +176,7 @@ def assemble(cfg: TrainConfig, ranks: Ranks, device: torch.device) -> Parts:
         non_finite_advice=divergence_advice(cfg, device, lr_peak),
         profile=cfg.profile and ranks.is_main,
         tb_x_per_step=global_batch if cfg.tb_step is TbStep.images else 1,
-        description=describe(cfg, device, ranks, splits),
+        description=describe(cfg, splits),
     )
 
 
@@ -188,10 +188,10 @@ def divergence_advice(cfg: TrainConfig, device: torch.device, lr_peak: float) ->
     )
 
 
-def describe(cfg: TrainConfig, device: torch.device, ranks: Ranks, splits: Splits) -> str:
-    """Device, model and data in one line, for the run's log."""
+def describe(cfg: TrainConfig, splits: Splits) -> str:
+    """Model and data in one line, for the run's log (which names the device before it)."""
     return (
-        f"device: {device} x{ranks.world_size} | model: {cfg.model.target or cfg.model.name.value} | "
+        f"model: {cfg.model.target or cfg.model.name.value} | "
         f"data: {cfg.data.source.value} ({len(splits.train)} train, {len(splits.test)} test)"
     )
 

@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import re
 import shlex
 import threading
 from pathlib import Path
 
 from trainer import tags
-from trainer.atomic import RUN_FOLDER_FIX, NotWritten, write_atomic
+from trainer.atomic import RUN_FOLDER_FIX, NotWritten, remove_leftovers, write_atomic
 from trainer.progress_bar import NoProgress, StepProgress
 
 METRICS = "metrics.json"
+log = logging.getLogger(__name__)
 
 
 def write_json_atomic(
@@ -26,6 +28,30 @@ def write_json_atomic(
 ) -> None:
     """All or nothing (trainer.atomic): NotWritten in one line when the disk refuses."""
     write_atomic(path, (json.dumps(data, indent=2, default=str) + "\n").encode(), what, fix)
+
+
+def write_final_metrics(run_dir: Path, summary: dict) -> None:
+    """metrics.json with a run's final status: the whole record, or where a full disk refuses
+    it the status and error alone (a few hundred bytes); where even that is refused, one line
+    says the record was lost and which one stands."""
+    path = run_dir / METRICS
+    remove_leftovers(path)  # a rank's write, where the launcher stopped it amid one
+    try:
+        write_json_atomic(path, summary)
+        return
+    except NotWritten:
+        pass
+    essentials = ("status", "error", "failed_rank", "epochs", "steps", "overrides")
+    try:
+        write_json_atomic(path, {key: summary[key] for key in essentials if key in summary})
+    except NotWritten as error:
+        standing = read_metrics(run_dir).get("status")
+        log.error(
+            "the final record (status %s) could not be written: %s; %s",
+            summary["status"],
+            str(error).split(": ", 1)[-1],
+            f"{path} still says {standing}" if standing else f"no {METRICS} was written",
+        )
 
 
 def record_rejected_config(run_dir: Path, error: Exception, overrides: list[str]) -> None:

@@ -20,7 +20,9 @@ reuses and stops); what it does not know about, this module adds around each job
     begins its first job without them (`workers_from_forkserver`); such a worker ends with
     the sweep's process, even one killed by SIGKILL. A launcher chosen in a config file
     instead gets loky's own workers, which import all that themselves.
-Owns: those six. Must not touch: what a job trains (trainer/trainer.py), the run folder.
+  - a worker's CUDA sees its first job's GPU as cuda:0, so that every GPU reads torch's one
+    compile cache (`cuda_index`);
+Owns: those seven. Must not touch: what a job trains (trainer/trainer.py), the run folder.
 No torch at import: the resolver runs in the parent, before any job.
 """
 
@@ -45,6 +47,10 @@ SLOT_WAIT_S = 0.5
 # The GPU this worker's last job ran on. Its next job asks for that one first: the worker's CUDA
 # context, cuDNN plans and compiled graphs are there, and another GPU would start a second context.
 _last_gpu: int | None = None
+# The sweep's GPUs as the host names them (CUDA_VISIBLE_DEVICES's entries, or their indices), and
+# the order this worker's CUDA sees them in: its first job's GPU first (`cuda_index`).
+_host_gpus: list[str] | None = None
+_worker_order: list[str] | None = None
 
 
 def visible_gpus() -> int:
@@ -117,6 +123,26 @@ def workers_from_forkserver() -> None:
         set_start_method("forkserver", force=True)
 
 
+def cuda_index(gpus: int, slot: int) -> int:
+    """The index this worker's torch gives the sweep's GPU `slot`. Before CUDA starts in the
+    worker, its CUDA_VISIBLE_DEVICES puts that GPU first, so it is cuda:0 here. torch's compile
+    caches key a graph by its tensors' device index: a job on cuda:1 missed the graphs a run on
+    cuda:0 had cached and compiled anew, 16.8 s against 3.5 s (2 H200, recipe=fastcnn_94,
+    outputs/readme/gpu_h200x2_2026-11-27.md). Seen as cuda:0 everywhere, every GPU reads one cache."""
+    global _host_gpus, _worker_order
+    import torch
+
+    if _worker_order is None and not torch.cuda.is_initialized():
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        _host_gpus = [entry.strip() for entry in visible.split(",")][:gpus] if visible else []
+        _host_gpus = _host_gpus if len(_host_gpus) == gpus else [str(index) for index in range(gpus)]
+        _worker_order = [_host_gpus[slot], *_host_gpus[:slot], *_host_gpus[slot + 1 :]]
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(_worker_order)
+    if _worker_order is None:  # CUDA started before this worker's first job: the host's order
+        return slot
+    return _worker_order.index(_host_gpus[slot])
+
+
 def threads_per_job(n_jobs: int) -> int:
     """Each job's torch threads on a CPU: the cores shared out, at least one."""
     return max(1, len(os.sched_getaffinity(0)) // max(1, n_jobs))
@@ -169,13 +195,14 @@ def stop_workers() -> None:
 
 
 @contextlib.contextmanager
-def job_resources(cfg: DictConfig, n_jobs: int | None) -> Iterator[DictConfig]:
+def job_resources(cfg: DictConfig, n_jobs: int | None) -> Iterator[tuple[DictConfig, str | None]]:
     """A parallel sweep's job (`n_jobs` set) with what it may use: its share of the CPU threads,
     and a GPU of its own where the job would run on CUDA; and multiprocessing's default start
     method as a fresh process has it, for a library inside the job (a DataLoader's workers),
-    not the pool's (forkserver or loky's own). Other runs: as they are."""
+    not the pool's (forkserver or loky's own). Yields the job's config and the name of its GPU
+    as the host numbers it (None without one). Other runs: as they are."""
     if n_jobs is None:
-        yield cfg
+        yield cfg, None
         return
     import torch
 
@@ -186,14 +213,15 @@ def job_resources(cfg: DictConfig, n_jobs: int | None) -> Iterator[DictConfig]:
     torch.set_num_threads(threads_per_job(n_jobs))
     gpus = visible_gpus() if cfg.device in ("auto", "cuda") else 0
     if gpus == 0:
-        yield cfg
+        yield cfg, None
         return
     global _last_gpu
-    with gpu_slot(gpus, prefer=_last_gpu) as index:
-        _last_gpu = index
+    with gpu_slot(gpus, prefer=_last_gpu) as slot:
+        _last_gpu = slot
+        index = cuda_index(gpus, slot)
         torch.cuda.set_device(index)
-        cfg.device = f"cuda:{index}"  # metrics.json records it
+        cfg.device = f"cuda:{index}"
         try:
-            yield cfg
+            yield cfg, f"cuda:{slot}"  # metrics.json records it
         finally:
             torch.cuda.empty_cache()  # this worker's cached memory, before another job takes the GPU

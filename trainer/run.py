@@ -31,7 +31,7 @@ from omegaconf import OmegaConf
 
 from trainer import checkpoint, distributed, epoch_report, mfu, perf, timing
 from trainer.assembly import Parts
-from trainer.atomic import NotWritten, remove_leftovers
+from trainer.atomic import remove_leftovers
 from trainer.config import ExportFormat, TrainConfig
 from trainer.console import console_unless_configured
 from trainer.distributed import Ranks
@@ -39,7 +39,6 @@ from trainer.ema import WeightAverage
 from trainer.errors import Diverged
 from trainer.export import export_model
 from trainer.logging import (
-    METRICS,
     RunLog,
     SilentRunLog,
     metrics_version,
@@ -47,7 +46,7 @@ from trainer.logging import (
     read_metrics,
     shell_override,
     shown_hparams,
-    write_json_atomic,
+    write_final_metrics,
 )
 from trainer.progress import Progress
 
@@ -72,6 +71,7 @@ class Run:
         self.status = "running"
         self.error: str | None = None  # why a run that ended its epochs is marked diverged
         self.device: torch.device | None = None  # once resolved
+        self.device_name: str | None = None  # where the process numbers its GPUs unlike its host
         self.parts: Parts | None = None  # once assembled
         self.resumed_from: str | None = None
         self.exported: str | None = None  # the inference model's file, once written
@@ -100,7 +100,14 @@ class Run:
             RunLog(self.run_dir, parts.tb_x_per_step) if parts.ranks.is_main else SilentRunLog(self.run_dir)
         )
         self.profiler = perf.Profiler(parts.profile, str(self.run_dir / "profile"))
-        log.info("run folder: %s | %s", self.run_dir, parts.description)
+        device = self.device_name or self.device
+        log.info(
+            "run folder: %s | device: %s x%d | %s",
+            self.run_dir,
+            device,
+            parts.ranks.world_size,
+            parts.description,
+        )
 
     def launched_ranks(self, launch: Callable[[], dict]) -> dict:
         """What launch() returns: rank 0's metrics, also when the ranks stopped as asked; when a
@@ -240,7 +247,7 @@ class Run:
             **({"error": self.error} if self.error else {}),
             **progress,
             "flops_per_image": meter.flops_per_image,
-            "device": str(self.device) if self.device else self.cfg.device,
+            "device": self.device_name or (str(self.device) if self.device else self.cfg.device),
             "world_size": ranks.world_size if ranks else None,
             "torch": torch.__version__,
             "overrides": self.overrides,
@@ -271,30 +278,7 @@ class Run:
         summary["error"] = str(error).splitlines()[0] if str(error) else type(error).__name__
         if isinstance(error, distributed.WorkerFailed):
             summary["failed_rank"] = error.rank
-        self.write_final_record(summary)
+        write_final_metrics(self.run_dir, summary)
         if getattr(self, "log", None) is not None:
             with contextlib.suppress(Exception):  # TensorBoard's queue written out, as on success
                 self.log.close()
-
-    def write_final_record(self, summary: dict) -> None:
-        """metrics.json with the run's final status: the whole record, or where a full disk
-        refuses it the status and error alone (a few hundred bytes); where even that is refused,
-        one line says the record was lost and which one stands."""
-        path = self.run_dir / METRICS
-        remove_leftovers(path)  # a rank's write, where the launcher stopped it amid one
-        try:
-            write_json_atomic(path, summary)
-            return
-        except NotWritten:
-            pass
-        essentials = ("status", "error", "failed_rank", "epochs", "steps", "overrides")
-        try:
-            write_json_atomic(path, {key: summary[key] for key in essentials if key in summary})
-        except NotWritten as error:
-            standing = read_metrics(self.run_dir).get("status")
-            log.error(
-                "the final record (status %s) could not be written: %s; %s",
-                summary["status"],
-                str(error).split(": ", 1)[-1],
-                f"{path} still says {standing}" if standing else f"no {METRICS} was written",
-            )

@@ -46,6 +46,7 @@ class Trainer:
         ranks: Ranks | None = None,
         overrides: list[str] | None = None,
         jobs_at_once: int | None = None,
+        device_name: str | None = None,
     ):
         timing.start_run()
         self.cfg: TrainConfig = to_train_config(cfg)
@@ -54,17 +55,23 @@ class Trainer:
         self.parts: Parts | None = None  # build's
         self.run = Run(self.cfg, run_dir, overrides, self.progress)
         self.run.jobs_at_once = jobs_at_once  # a parallel sweep's job: how many of its jobs run at once
+        self.run.device_name = device_name  # and its GPU as the host numbers it (trainer.parallel_jobs)
         self.run.startup_s = timing.wall_s()  # the interpreter, imports, Hydra, the checks
         self.config = self.run.config  # the resolved config, as checkpoints save it
 
     @classmethod
     def for_run(
-        cls, cfg, run_dir: str | Path, overrides: list[str], jobs_at_once: int | None = None
+        cls,
+        cfg,
+        run_dir: str | Path,
+        overrides: list[str],
+        jobs_at_once: int | None = None,
+        device_name: str | None = None,
     ) -> Trainer:
         """A Trainer for a run folder that already exists (Hydra's); a config it rejects
         still leaves a metrics.json saying why."""
         try:
-            return cls(cfg, run_dir, overrides=overrides, jobs_at_once=jobs_at_once)
+            return cls(cfg, run_dir, overrides=overrides, jobs_at_once=jobs_at_once, device_name=device_name)
         except TrainerError as error:
             record_rejected_config(Path(run_dir), error, overrides)
             raise
