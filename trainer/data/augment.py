@@ -71,8 +71,8 @@ class CropFlip:
         return augmentation(seed, epoch, indices, self.padding, self.alternate_flip)
 
     def pad(self, images: np.ndarray) -> np.ndarray:
-        """(N, C, H, W) uint8 -> padded by `padding` on each side of H and W. Every loader pads
-        here, on the host: torch's reflect padding does not take uint8 on every device."""
+        """(N, C, H, W) uint8 -> padded by `padding` on each side of H and W, on the host, for the
+        DataLoader path (the GPU loader pads the same way on its device: GpuLoader.padded)."""
         sides = (self.padding, self.padding)
         return np.pad(images, ((0, 0), (0, 0), sides, sides), mode=self.padding_mode)
 

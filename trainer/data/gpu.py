@@ -29,6 +29,13 @@ from trainer.data.sources import ImageSplit
 CHUNK = 4096
 
 
+def reflected(size: int, padding: int, device: torch.device) -> torch.Tensor:
+    """The source index of each position -padding .. size + padding - 1, mirrored about the edge
+    rows without repeating them, as np.pad's "reflect" does (padding < size: config_checks)."""
+    index = torch.arange(-padding, size + padding, device=device).abs()
+    return torch.where(index >= size, 2 * (size - 1) - index, index)
+
+
 class GpuLoader:
     """Training: every rank the same permutation, each its own shard; the last partial batch
     dropped. Evaluation (train=False): rank r takes images r, r + world_size, ... (each once)."""
@@ -61,12 +68,15 @@ class GpuLoader:
         self.staged: tuple[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def padded(self, images: torch.Tensor) -> torch.Tensor:
-        """The images padded once for the crops, as the DataLoader path pads them (CropFlip.pad):
-        zeros on the device; a reflection on the host (torch's reflect padding does not take
-        uint8 on every device), then moved over."""
+        """The images padded once for the crops, as the DataLoader path pads them (CropFlip.pad),
+        on the device: zeros, or the image mirrored about its edges, gathered by index. torch's
+        reflect padding does not take uint8 on every device, and np.pad on the host took 0.29 s
+        of a fast-CNN run's set-up for CIFAR-10's 50,000 images (an H200 host)."""
+        padding = self.crop_flip.padding
         if self.crop_flip.padding_mode == "constant":
-            return F.pad(images, (self.crop_flip.padding,) * 4)
-        return torch.from_numpy(self.crop_flip.pad(images.cpu().numpy())).to(self.device)
+            return F.pad(images, (padding,) * 4)
+        rows, columns = (reflected(size, padding, images.device) for size in images.shape[-2:])
+        return images[:, :, rows[:, None], columns]
 
     def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
         self.batches.set_epoch(epoch, skip_batches)
