@@ -128,7 +128,7 @@ def cuda_index(gpus: int, slot: int) -> int:
     worker, its CUDA_VISIBLE_DEVICES puts that GPU first, so it is cuda:0 here. torch's compile
     caches key a graph by its tensors' device index: a job on cuda:1 missed the graphs a run on
     cuda:0 had cached and compiled anew, 16.8 s against 3.5 s (2 H200, recipe=fastcnn_94,
-    outputs/readme/gpu_h200x2_2026-11-27.md). Seen as cuda:0 everywhere, every GPU reads one cache."""
+    outputs/readme/gpu_h200x2_h100_2026-11-27.md). Seen as cuda:0 everywhere, every GPU reads one cache."""
     global _host_gpus, _worker_order
     import torch
 

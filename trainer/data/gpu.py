@@ -69,9 +69,11 @@ class GpuLoader:
 
     def padded(self, images: torch.Tensor) -> torch.Tensor:
         """The images padded once for the crops, as the DataLoader path pads them (CropFlip.pad),
-        on the device: zeros, or the image mirrored about its edges, gathered by index. torch's
-        reflect padding does not take uint8 on every device, and np.pad on the host took 0.29 s
-        of a fast-CNN run's set-up for CIFAR-10's 50,000 images (an H200 host)."""
+        on the device: zeros, or the image mirrored about its edges, gathered by index (torch's
+        reflect padding does not take uint8 on every device). No trip to the host and back: np.pad
+        there took 0.29 s of a fast-CNN run's set-up under cProfile (CIFAR-10, an H200 host),
+        though walls on an H100 host did not show it against their spread
+        (outputs/readme/gpu_h200x2_h100_2026-11-27.md)."""
         padding = self.crop_flip.padding
         if self.crop_flip.padding_mode == "constant":
             return F.pad(images, (padding,) * 4)

@@ -143,7 +143,7 @@ def keep_compile_workers() -> None:
     job's warm-up, it was started again by the next job's compile, which loads its kernels
     through the pool even from a warm cache, and that job then waited for the pool it had just
     started to be stopped: 1.2 s a job after the first under the basic launcher, 1.5-2.3 s in a
-    parallel sweep (2 H200, recipe=fastcnn_94, outputs/readme/gpu_h200x2_2026-11-27.md)."""
+    parallel sweep (2 H200, recipe=fastcnn_94, outputs/readme/gpu_h200x2_h100_2026-11-27.md)."""
     global _workers_serve_the_sweep
     _workers_serve_the_sweep = True
 
