@@ -12,6 +12,7 @@ import threading
 import time
 import types
 
+import pytest
 from conftest import SMALL, cli_environment
 
 from trainer import process_exit
@@ -131,3 +132,24 @@ def test_a_run_whose_compile_workers_are_slow_to_stop_says_how_long_it_waited(tm
     Trainer(compose_config(*SMALL, "device=cpu"), tmp_path / "run").fit()
     [line] = [message for message in caplog.messages if "compile workers to stop" in message]
     assert line.startswith("waited 0.") and (tmp_path / "run" / "metrics.json").is_file()
+
+
+@pytest.mark.parametrize("launched_here", [True, False])
+def test_a_sweep_job_keeps_the_compile_workers_where_its_process_runs_the_next_job(
+    tmp_path, monkeypatch, launched_here
+):
+    """The basic launcher's process runs every job of its sweep: the pool serves the next one. A
+    job in a process of its own (a Slurm launcher's) stops it after its warm-up, as a run does."""
+    from conftest import compose_config
+
+    import trainer.__main__ as cli
+    from trainer import sweep_summary
+    from trainer.perf import model
+
+    monkeypatch.setattr(model, "_workers_serve_the_sweep", False)
+    monkeypatch.setattr(sweep_summary, "_sweep_dir", tmp_path if launched_here else None)
+    overrides = ["device=cpu", "max_steps=1"]
+    (tmp_path / "job").mkdir()
+    cli.run(compose_config(*overrides), str(tmp_path / "job"), overrides, sweep_dir=str(tmp_path))
+    assert (tmp_path / "job" / "metrics.json").is_file()
+    assert model._workers_serve_the_sweep is launched_here

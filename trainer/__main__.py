@@ -69,6 +69,7 @@ def run(
         with parallel_jobs.job_resources(cfg, parallel) as (job_cfg, gpu), run_lock.owned(run_dir):
             if sweep:
                 fresh_compile()  # after job_resources, which sets what CUDA sees before it starts
+            if parallel or sweep_summary.launched_here():  # this process runs the sweep's next job too
                 keep_compile_workers()
             metrics = Trainer.for_run(
                 job_cfg, run_dir, overrides, jobs_at_once=parallel, device_name=gpu

@@ -52,6 +52,11 @@ class SweepSummary(Callback):
                 signal.signal(signum, stop_parallel_sweep)
 
 
+def launched_here() -> bool:
+    """Whether this process launched the sweep that runs its jobs (the basic launcher runs each in it)."""
+    return _sweep_dir is not None
+
+
 def stop_requested(sweep_dir: Path) -> bool:
     return (sweep_dir / STOP_FLAG).exists()
 
