@@ -139,12 +139,12 @@ _workers_serve_the_sweep = False  # this process runs a sweep's jobs (keep_compi
 def keep_compile_workers() -> None:
     """In a process that runs a sweep's jobs one after another (the basic launcher's, a parallel
     sweep's worker; not a job in a process of its own, as a Slurm launcher's): inductor's
-    compile-worker pool, once started, serves every job, and goes
-    with the process (its exit, or the parallel sweep killing its workers). Stopped after each
-    job's warm-up, it was started again by the next job's compile, which loads its kernels
-    through the pool even from a warm cache, and that job then waited for the pool it had just
-    started to be stopped: 1.2 s a job after the first under the basic launcher, 1.5-2.3 s in a
-    parallel sweep (2 H200, recipe=fastcnn_94, outputs/readme/gpu_h200x2_h100_2026-11-27.md)."""
+    compile-worker pool, once started, serves every job, and goes with the process (its exit,
+    or the parallel sweep killing its workers). Stopped after each job's warm-up, it was started
+    again by the next job's compile, which loads its kernels through the pool even from a warm
+    cache, and that job then waited for the pool it had just started to be stopped: 1.2 s a job
+    after the first under the basic launcher, 1.5-2.3 s in a parallel sweep (2 H200,
+    recipe=fastcnn_94, outputs/readme/gpu_h200x2_h100_2026-11-27.md)."""
     global _workers_serve_the_sweep
     _workers_serve_the_sweep = True
 
