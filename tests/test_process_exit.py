@@ -4,6 +4,7 @@ the interpreter after everything is written (trainer/process_exit.py)."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -106,13 +107,50 @@ def test_compile_workers_are_stopped_in_a_thread_the_exit_waits_for(monkeypatch)
     thread.join()
     assert stopped_in == [thread] and not thread.daemon
     # in a process that runs a sweep's jobs the pool serves the next job: it is left running
-    from trainer.perf import model
+    from trainer.perf import compile_workers as model
 
     monkeypatch.setattr(model, "_workers_serve_the_sweep", False)
     model.keep_compile_workers()
     assert stop_compile_workers() is None and stopped_in == [thread]
     monkeypatch.delitem(sys.modules, "torch._inductor.async_compile")
     assert stop_compile_workers() is None  # nothing compiled: no pool, no thread
+
+
+def test_a_compile_pool_still_starting_after_the_warm_up_is_ended_not_waited_for(monkeypatch, caplog):
+    """What a forked run met: its compile, from a warm cache, done before inductor's sidecar had
+    imported torch. torch's own stop waits for those imports; the run's stop ends the sidecar,
+    quietly (torch reads it as the stop it asked for). A pool that answered is stopped by torch."""
+    pytest.importorskip("triton")
+    from torch._inductor import async_compile, config
+
+    from trainer.perf.compile_workers import stop_pool
+
+    monkeypatch.setattr(config, "compile_threads", 2)
+    caplog.set_level("INFO")
+
+    def started_pool(wait_until_ready: bool):
+        async_compile.AsyncCompile.warm_pool()
+        if wait_until_ready:
+            async_compile.AsyncCompile.wait_pool_ready()
+        else:
+            async_compile.AsyncCompile.use_process_pool()  # the readiness probe, as a compile sends it
+        [pool] = async_compile._pool_set
+        return pool.process
+
+    began = time.perf_counter()
+    answered = started_pool(wait_until_ready=True)
+    ready_s = time.perf_counter() - began
+    stop_pool(async_compile)
+    assert answered.poll() == 0  # stopped by torch, not killed
+
+    starting = started_pool(wait_until_ready=False)
+    began = time.perf_counter()
+    stop_pool(async_compile)
+    assert starting.poll() == -signal.SIGKILL
+    assert time.perf_counter() - began < ready_s / 2
+    assert not async_compile._pool_set
+    assert not [record for record in caplog.records if record.levelno >= logging.WARNING]
+    assert sum("still starting after the warm-up" in message for message in caplog.messages) == 1
 
 
 def test_a_run_whose_compile_workers_are_slow_to_stop_says_how_long_it_waited(tmp_path, monkeypatch, caplog):
@@ -144,7 +182,7 @@ def test_a_sweep_job_keeps_the_compile_workers_where_its_process_runs_the_next_j
 
     import trainer.__main__ as cli
     from trainer import sweep_summary
-    from trainer.perf import model
+    from trainer.perf import compile_workers as model
 
     monkeypatch.setattr(model, "_workers_serve_the_sweep", False)
     monkeypatch.setattr(sweep_summary, "_sweep_dir", tmp_path if launched_here else None)

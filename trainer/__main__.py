@@ -57,7 +57,8 @@ def run(
     if parallel and sweep_summary.stop_requested(Path(sweep_dir)):
         return None  # the sweep was stopped before this job's turn
     # torch: only once the command line has passed its check
-    from trainer.perf.model import fresh_compile, keep_compile_workers
+    from trainer.perf.compile_workers import keep_compile_workers
+    from trainer.perf.model import fresh_compile
     from trainer.trainer import Trainer
 
     note = bytecode.first_use_note()

@@ -33,6 +33,7 @@ import torch
 from trainer.config import AmpDtype, TrainConfig
 from trainer.perf.all_reduce import BufferAverage, GradientAverage, broadcast_module
 from trainer.perf.backend import WARM_UP_STEPS, apply_backend_flags, warm_up_steps, warm_up_work
+from trainer.perf.compile_workers import stop_compile_workers
 from trainer.perf.cpu_bf16 import cpu_bf16_slowdown
 from trainer.perf.ddp import (
     DDP_TOGGLES,
@@ -59,7 +60,6 @@ from trainer.perf.model import (
     optimizer_compiler,
     prepare_model,
     splits_over_gpus,
-    stop_compile_workers,
 )
 from trainer.perf.notes import at_default, cannot_act, override_value, say_once
 from trainer.perf.profiler import Profiler

@@ -7,8 +7,6 @@ Must not touch: what the model is (trainer/models.py), the data and the step.
 from __future__ import annotations
 
 import logging
-import sys
-import threading
 from collections.abc import Callable
 from functools import partial
 
@@ -131,37 +129,6 @@ def fresh_compile() -> None:
     goes with the job before, and no job meets dynamo's recompile limit, past which a job
     would run eagerly without a word beside compiled ones."""
     torch._dynamo.reset()
-
-
-_workers_serve_the_sweep = False  # this process runs a sweep's jobs (keep_compile_workers)
-
-
-def keep_compile_workers() -> None:
-    """In a process that runs a sweep's jobs one after another (the basic launcher's, a parallel
-    sweep's worker; not a job in a process of its own, as a Slurm launcher's): inductor's
-    compile-worker pool, once started, serves every job, and goes with the process (its exit,
-    or the parallel sweep killing its workers). Stopped after each job's warm-up, it was started
-    again by the next job's compile, which loads its kernels through the pool even from a warm
-    cache, and that job then waited for the pool it had just started to be stopped: 1.2 s a job
-    after the first under the basic launcher, 1.5-2.3 s in a parallel sweep (2 H200,
-    recipe=fastcnn_94, outputs/readme/gpu_h200x2_h100_2026-11-27.md)."""
-    global _workers_serve_the_sweep
-    _workers_serve_the_sweep = True
-
-
-def stop_compile_workers() -> threading.Thread | None:
-    """Once the warm-up has compiled every graph the run uses: inductor's compile-worker pool
-    is stopped now, in a thread beside the training, not by torch's exit handler after
-    metrics.json. There it held the process (a tuner trial on an H200, torch 2.11: exit 1.1 s
-    after metrics.json with the pool, 0.3 s without). A compile after this (none is expected)
-    starts a fresh pool. Not a daemon thread: the process's exit waits for it. Nothing where the
-    pool serves a sweep's next job (keep_compile_workers)."""
-    async_compile = sys.modules.get("torch._inductor.async_compile")
-    if async_compile is None or _workers_serve_the_sweep:  # nothing compiled, or more jobs to come
-        return None
-    stopping = threading.Thread(target=async_compile.shutdown_compile_workers, name="stop-compile-workers")
-    stopping.start()
-    return stopping
 
 
 # Under step_graph, the compile modes that record CUDA graphs of their own compile without them:
