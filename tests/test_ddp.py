@@ -125,6 +125,17 @@ def test_ranks_see_the_launchers_environment_of_now_and_their_own_rank(monkeypat
     assert launch(2, rank_environment, (name,)) == (None, "0", 0)
 
 
+@pytest.mark.parametrize("compiles", [False, True])
+def test_the_ranks_server_preloads_inductor_only_for_a_run_that_compiles(monkeypatch, compiles):
+    from trainer import distributed
+
+    launched = []
+    monkeypatch.setattr(distributed, "launch", lambda *args, **kwargs: launched.append(kwargs))
+    cfg = to_train_config(compose_config(*SMALL, "ddp=true", "devices=2", f"compile={str(compiles).lower()}"))
+    distributed.launch_ranks(cfg, "cpu", rank_environment, (), log_dir=Path("."))
+    assert launched == [{"log_dir": Path("."), "compiles": compiles}]
+
+
 def test_accumulation_skips_the_all_reduce_between_boundaries(tmp_path):
     """8 optimizer steps cost the same all-reduces with 1 or 4 micro-batches each: the
     3 non-boundary backward passes of every group do not synchronize."""

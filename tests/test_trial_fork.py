@@ -14,6 +14,7 @@ import pytest
 import torch
 from conftest import HANG_GUARD_S, SMALL, cli_environment, ended, ends_soon
 
+from trainer import forkserver as server
 from trainer import inductor_preload, trial_fork, trials
 from trainer.forkserver import forkserver
 
@@ -103,34 +104,56 @@ def test_inside_a_forked_trial_a_library_finds_what_a_fresh_process_has(tmp_path
     assert seen == (tmp_path / "fresh.txt").read_text().splitlines() and seen[0] == "fork False"
 
 
-def loaded_modules(out: str) -> None:
-    """In a process forked from the server: which of the modules it may preload it has, how many
-    files torch read to give its compile caches' keys (none where they came along), and whether
-    it was left the NVML check the preload set for its import."""
-    import builtins
+# Run by exec in a process forked from the server (a function of this file would import the file,
+# and with it what the file imports): which of the modules the server may preload the process
+# has, how many files torch read to give its compile caches' keys (none where they came along),
+# and whether it was left the NVML check the preload set for its import.
+LOADED_MODULES = """
+import builtins, os, sys
+from pathlib import Path
+loaded = " ".join(name for name in ("torch._inductor.compile_fx", "torchvision") if name in sys.modules)
+read, real_open = [], builtins.open
+builtins.open = lambda *args, **kwargs: read.append(args[0]) or real_open(*args, **kwargs)
+try:
+    codecache = sys.modules.get("torch._inductor.codecache")
+    for key in ("torch_key", "triton_key") if codecache else ():
+        getattr(codecache, key, lambda: None)()
+finally:
+    builtins.open = real_open
+Path(OUT).write_text(f"{loaded}; files read for the keys: {len(read)}; NVML check: {os.environ.get(NVML)}")
+"""
 
-    from torch._inductor import codecache
 
-    candidates = ("torch._inductor.compile_fx", "torchvision")
-    read, real_open = [], builtins.open
-    builtins.open = lambda *args, **kwargs: read.append(args[0]) or real_open(*args, **kwargs)
-    try:
-        for key in ("torch_key", "triton_key"):
-            getattr(codecache, key, lambda: None)()
-    finally:
-        builtins.open = real_open
-    loaded = " ".join(name for name in candidates if name in sys.modules)
-    nvml = os.environ.get(inductor_preload.NVML_CHECK)
-    Path(out).write_text(f"{loaded}; files read for the keys: {len(read)}; NVML check: {nvml}")
-
-
-def test_the_server_preloads_inductor_for_the_processes_that_compile_and_not_torchvision(tmp_path):
-    child = forkserver().Process(target=loaded_modules, args=(str(tmp_path / "modules"),))
+def loaded_modules(compiles: bool, out: Path) -> str:
+    variables = {"OUT": str(out), "NVML": inductor_preload.NVML_CHECK}
+    child = forkserver(compiles).Process(target=exec, args=(LOADED_MODULES, variables))
     child.start()
     child.join(HANG_GUARD_S)
     assert child.exitcode == 0
+    return out.read_text()
+
+
+@pytest.fixture
+def fresh_server():
+    """This process's server stopped before and after the test: it starts with the test's
+    preload (the first caller's decides, and an earlier test of this process may have started one)."""
+    server.stop()
+    yield
+    server.stop()
+
+
+def test_the_server_preloads_inductor_for_processes_that_compile_and_not_torchvision(tmp_path, fresh_server):
     loaded = "torch._inductor.compile_fx; files read for the keys: 0; NVML check: None"
-    assert (tmp_path / "modules").read_text() == loaded
+    assert loaded_modules(True, tmp_path / "modules") == loaded
+
+
+def test_a_server_for_processes_that_compile_nothing_leaves_inductor_out(tmp_path, fresh_server):
+    """A DDP run with compile=false: its ranks' server does not import what they would not use.
+    A caller that compiles, once that server runs, gets it as it is (its processes import
+    inductor themselves)."""
+    nothing = "; files read for the keys: 0; NVML check: None"
+    assert loaded_modules(False, tmp_path / "first") == nothing
+    assert loaded_modules(True, tmp_path / "then") == nothing
 
 
 @pytest.mark.skipif(not torch.cuda._is_compiled(), reason="torch's CUDA check: needs a torch built with CUDA")

@@ -4,9 +4,10 @@ without paying those imports again (2-3 s of CPU each on a 2-core host, and the 
 restart of a DDP group or job of a DDP sweep).
 
 Preloaded: the modules every run imports, the trainer's CLI and its Trainer (Hydra, torch),
-torch._dynamo (torch.optim loads it when it makes an optimizer), TensorBoard's writer, and
-inductor with its cache keys (trainer/inductor_preload.py, imported so that it starts no CUDA),
-which a process that compiles would otherwise import and work out at its first torch.compile.
+torch._dynamo (torch.optim loads it when it makes an optimizer), TensorBoard's writer, and,
+unless the caller's processes compile nothing (a DDP run with compile=false), inductor with its
+cache keys (trainer/inductor_preload.py, imported so that it starts no CUDA), which a process
+that compiles would otherwise import and work out at its first torch.compile.
 None of the preloaded modules starts CUDA: each forked process starts its own context. Other
 modules a run of some setting would not import (torchvision for the CNNs) stay out.
 
@@ -37,8 +38,10 @@ PRELOAD = (
     "trainer.trainer",
     "torch._dynamo",
     "torch.utils.tensorboard",
-    "trainer.inductor_preload",
 )
+# For processes that compile, after PRELOAD: a server for a DDP run that compiles nothing leaves
+# it out (on a 2-core CPU it cost 1.4 s of CPU beside the launcher's own start).
+COMPILING = ("trainer.inductor_preload",)
 # This process's environment when this module was imported: in the server (which imports it
 # with PRELOAD), the environment every forked process starts with.
 _AT_IMPORT = dict(os.environ)
@@ -53,15 +56,22 @@ def available() -> bool:
     return "forkserver" in multiprocessing.get_all_start_methods()
 
 
-def forkserver() -> multiprocessing.context.ForkServerContext:
-    """multiprocessing's forkserver context, its server preloading PRELOAD when it starts (at
-    the first process forked from it; it lives until this process ends)."""
+def forkserver(compiles: bool = True) -> multiprocessing.context.ForkServerContext:
+    """multiprocessing's forkserver context, its server preloading PRELOAD, and COMPILING where
+    the processes forked from it may compile, when it starts (at the first process forked from
+    it; it lives until this process ends). A server already running keeps what it preloaded."""
     global _context
     if _context is None:
         _context = multiprocessing.get_context("forkserver")
-        _context.set_forkserver_preload(list(PRELOAD))
         atexit.register(stop)
+    if not running():  # the list counts when the server starts
+        _context.set_forkserver_preload(list(PRELOAD + (COMPILING if compiles else ())))
     return _context
+
+
+def running() -> bool:
+    """Whether this process's server runs (multiprocessing keeps its pid once started)."""
+    return getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None) is not None
 
 
 def stop() -> None:
@@ -80,20 +90,20 @@ def stop() -> None:
     server._stop()
 
 
-def start() -> None:
-    """The server started now, if it is not running yet; it imports PRELOAD in its own process
-    while this one goes on."""
-    forkserver()
+def start(compiles: bool = True) -> None:
+    """The server started now, if it is not running yet; it imports its preload in its own
+    process while this one goes on."""
+    forkserver(compiles)
     multiprocessing.forkserver.ensure_running()
 
 
-def start_method() -> str:
+def start_method(compiles: bool = True) -> str:
     """How to start processes that may be forked from the server: "forkserver", with the server
     started now (its imports then overlap what the caller does before the first process), or
-    "spawn" where the platform has none."""
+    "spawn" where the platform has none. `compiles`: whether those processes may compile."""
     if not available():
         return "spawn"
-    start()
+    start(compiles)
     return "forkserver"
 
 
