@@ -198,12 +198,7 @@ def restart_count() -> int:
 
 
 def launch(
-    world_size: int,
-    target: Callable,
-    args: tuple,
-    max_restarts: int = 0,
-    log_dir: Path | None = None,
-    compiles: bool = True,
+    world_size: int, target: Callable, args: tuple, max_restarts: int = 0, log_dir: Path | None = None
 ) -> object:
     """Run target(ranks, *args) in `world_size` processes on this host; return rank 0's result.
 
@@ -211,12 +206,10 @@ def launch(
     restart_count() > 0). SIGINT/SIGTERM to this process reach the ranks, which stop at a step
     and save; then LaunchStopped is raised here. With `log_dir`, what the elastic agent logs
     (a failed rank's traceback) goes to the ranks' log files there instead of the terminal.
-    `compiles`: whether the ranks may compile (their server then preloads inductor).
     """
     # The ranks are forked from the server that imported the trainer once, where the platform has
     # one: a rank, a restarted group or a sweep's next DDP job starts without importing torch again.
-    # started now: its imports overlap the agent's set-up; inductor's only where the ranks compile
-    start_method = forkserver.start_method(compiles)
+    start_method = forkserver.start_method()  # started now: its imports overlap the agent's set-up
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -270,7 +263,9 @@ def launch_ranks(cfg: TrainConfig, device_type: str, target: Callable, args: tup
     backend_for(cfg, device_type)
     world_size = world_size_for(cfg, device_type)
     log.info("ddp: launching %d processes (%s)", world_size, device_type)
-    return launch(world_size, target, args, cfg.ddp_max_restarts, log_dir=log_dir, compiles=cfg.compile)
+    if forkserver.available():  # started for launch(): inductor preloaded only where the ranks compile
+        forkserver.start(compiles=cfg.compile)
+    return launch(world_size, target, args, cfg.ddp_max_restarts, log_dir=log_dir)
 
 
 def _trainer_error_names() -> set[str]:
