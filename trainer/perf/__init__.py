@@ -12,6 +12,7 @@ A new toggle is a field in trainer/config.py and a few lines in the file of its 
                steps their autotuning (or torch.compile) calls for
   inputs.py    DataLoader workers, pinned memory, non-blocking copies, prefetching
   model.py     channels_last, DataParallel, torch.compile: the model the step calls
+  compile_workers.py  when torch.compile's compile-worker pool is stopped, and how
   ddp.py       how ranks average gradients (ddp_sync): DistributedDataParallel and its ddp_*
                communication toggles, or all_reduce.py's one all-reduce after backward
   step_graph.py forward, backward and gradient average as one CUDA graph (step_graph)
