@@ -58,7 +58,7 @@ def stop_pool(async_compile: ModuleType) -> None:
     is killed, not waited for. torch's stop sends the sidecar its order and waits for it to exit,
     and a sidecar still importing torch reads the order only once its imports are done. A run
     forked from preloaded modules (a tuner's trial) compiles from a warm cache before its
-    sidecar is up, and its end waited 4.8-5.8 s for it (one H100, recipe=fastcnn_94,
+    sidecar is up, and its end waited 2.9-7.6 s for it (one H100, recipe=fastcnn_94,
     outputs/readme/gpu_h100_2026-11-27b.md). Such a pool has served nothing: inductor hands a
     kernel to the pool only once the pool has answered its readiness probe, and compiles it in
     the process before that."""
