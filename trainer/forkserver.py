@@ -97,13 +97,13 @@ def start(compiles: bool = True) -> None:
     multiprocessing.forkserver.ensure_running()
 
 
-def start_method(compiles: bool = True) -> str:
+def start_method() -> str:
     """How to start processes that may be forked from the server: "forkserver", with the server
     started now (its imports then overlap what the caller does before the first process), or
-    "spawn" where the platform has none. `compiles`: whether those processes may compile."""
+    "spawn" where the platform has none."""
     if not available():
         return "spawn"
-    start(compiles)
+    start()
     return "forkserver"
 
 
