@@ -79,9 +79,16 @@ def restored_after_test(monkeypatch, variable: str) -> None:
 def cli_environment(env: dict | None = None) -> dict:
     """The environment for a `trainer` subprocess: this checkout first on the path (then the
     caller's own PYTHONPATH, where a machine may keep Hydra), Hydra's short errors,
-    one torch thread."""
+    one torch thread, and never handed to a server the machine may run (tests/test_serve.py
+    starts its own)."""
     path = os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))
-    environment = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": THREADS, **(env or {})}
+    environment = {
+        **os.environ,
+        "PYTHONPATH": path,
+        "OMP_NUM_THREADS": THREADS,
+        "TRAINER_SERVE": "0",
+        **(env or {}),
+    }
     environment.pop("HYDRA_FULL_ERROR", None)
     return environment
 

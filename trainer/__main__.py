@@ -10,6 +10,14 @@ from __future__ import annotations
 import logging
 import os
 import sys
+
+from trainer.serve import client
+
+if __name__ == "__main__":
+    # Before the imports below (Hydra, 0.2-0.5 s): a server of this environment takes the
+    # command (trainer/serve); without one this returns at once.
+    client.hand_over_command()
+
 from datetime import datetime
 from pathlib import Path
 
@@ -158,9 +166,11 @@ def end_of_sweep(code: int | str | None) -> None:
 
 
 def cli() -> None:
-    """`python -m trainer` and the `trainer` command: main, then the process ends as soon as
-    everything is written (trainer/process_exit.py). Before torch's import: its bytecode
-    cached where its install has none (trainer/bytecode.py)."""
+    """`python -m trainer` and the `trainer` command: handed to a server of this environment
+    where one runs (trainer/serve), else main, then the process ends as soon as everything is
+    written (trainer/process_exit.py). Before torch's import: its bytecode cached where its
+    install has none (trainer/bytecode.py)."""
+    client.hand_over_command()  # the `trainer` console script's way in: once, whichever came first
     bytecode.cache_bytecode()
     process_exit.run(main)
 

@@ -255,6 +255,7 @@ class Run:
             "lr_peak": self.parts.lr_peak if self.parts else None,
             "target_acc": self.cfg.target_acc,
             "export": self.exported,
+            "served": timing.served_by() is not None,  # forked from python -m trainer.serve
             "startup_s": self.startup_s,
             "setup_s": self.setup_s,
             "setup_data_s": self.setup_data_s,

@@ -87,6 +87,8 @@ def data_wait_timer(enabled: bool, device_type: str):
 
 
 IMPORTED = time.monotonic()
+_command_started_at: float | None = None  # a served run's command's start (time.time())
+_served_by: int | None = None  # and the server's pid (trainer/serve)
 _runs_started = 0  # runs begun in this process: a sweep runs its jobs one after another
 _run_started = IMPORTED
 
@@ -103,8 +105,23 @@ def wall_s() -> float:
     return process_age_s() if _runs_started <= 1 else time.monotonic() - _run_started
 
 
+def count_from(started_at: float, served_by: int) -> None:
+    """A served run (trainer/serve/child.py): its age counts from its command's start
+    (`started_at`, time.time()), before the fork from server `served_by`."""
+    global _command_started_at, _served_by
+    _command_started_at, _served_by = started_at, served_by
+
+
+def served_by() -> int | None:
+    """The pid of the server this process was forked from for its command, or None."""
+    return _served_by
+
+
 def process_age_s() -> float:
-    """Seconds since this process started (Linux: from /proc; elsewhere since this import)."""
+    """Seconds since this process started (Linux: from /proc; elsewhere since this import);
+    for a served run, since its command started."""
+    if _command_started_at is not None:
+        return time.time() - _command_started_at
     try:
         with open("/proc/self/stat") as stat, open("/proc/uptime") as uptime:
             started_ticks = int(stat.read().rpartition(")")[2].split()[19])  # field 22: starttime
