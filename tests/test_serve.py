@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import HANG_GUARD_S, SMALL, cli_environment, ends_soon
 
-from tests.conftest import HANG_GUARD_S, SMALL, cli_environment, ends_soon
 from trainer.serve import client, protocol
 
 LONG = [
@@ -86,6 +86,17 @@ def test_a_served_command_ends_as_its_run_ended(served):
     assert err.strip().splitlines() == [err.strip()] and err.startswith(
         "trainer: error: invalid value for epochs"
     )
+
+
+def test_a_served_parallel_sweep_runs_its_jobs_in_workers_of_the_served_process(served):
+    """Its workers' server is forked from the served command, which holds its preload."""
+    sweep_dir = served["folder"] / "parallel"
+    args = ["-m", "hydra/launcher=parallel", "hydra.launcher.n_jobs=2", *SMALL, "device=cpu", "seed=0,1"]
+    process = trainer(served, *args, f"hydra.sweep.dir={sweep_dir}")
+    out, err = process.communicate(timeout=HANG_GUARD_S)
+    assert process.returncode == 0, err
+    jobs = [json.loads(path.read_text()) for path in sorted(sweep_dir.glob("*/metrics.json"))]
+    assert [(job["status"], job["served"]) for job in jobs] == [("completed", True)] * 2
 
 
 def test_another_environment_runs_by_itself(served):

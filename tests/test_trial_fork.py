@@ -4,6 +4,7 @@ its time limit takes everything it started along."""
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import subprocess
@@ -235,3 +236,38 @@ def test_a_stop_while_a_process_starts_comes_once_it_has_its_work_and_can_be_sto
     )  # fmt: skip
     assert stopped.returncode == 0 and stopped.stderr == "stopped\n", stopped.stderr
     assert stopped.stdout.strip().isdigit()  # the pid was known when the stop was raised
+
+
+FORK_STARTED = """
+import json, multiprocessing, os, sys
+from trainer import forkserver
+forkserver.PRELOAD, forkserver.COMPILING = tuple(sys.argv[1:]), ()
+import json
+forkserver.start(compiles=False)
+pid = multiprocessing.forkserver._forkserver._forkserver_pid
+with open(f"/proc/{pid}/cmdline") as server, open("/proc/self/cmdline") as this:
+    spawned = server.read() != this.read()  # a new interpreter, not this command forked
+process = forkserver.forkserver().Process(target=os._exit, args=(7,))
+forkserver.start_process(process)
+process.join()
+print(json.dumps({"spawned": spawned, "exitcode": process.exitcode}))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="forking the server reads /proc (Linux)")
+@pytest.mark.parametrize("preload", [["json"], ["json", "wave"]], ids=["held", "not-held"])
+def test_a_process_that_holds_the_preload_forks_its_server_instead_of_spawning_one(tmp_path, preload):
+    """A command forked from python -m trainer.serve holds every preloaded module: its server
+    (a parallel sweep's workers come from it) is forked from it, not a new interpreter that
+    imports them again. Either way the server forks working processes."""
+    result = subprocess.run(
+        [sys.executable, "-c", FORK_STARTED, *preload],
+        cwd=tmp_path,
+        env=cli_environment(),
+        capture_output=True,
+        text=True,
+        timeout=HANG_GUARD_S,
+    )
+    assert result.returncode == 0, result.stderr
+    outcome = json.loads(result.stdout.strip().splitlines()[-1])
+    assert outcome == {"spawned": preload != ["json"], "exitcode": 7}

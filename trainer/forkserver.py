@@ -30,6 +30,9 @@ import atexit
 import contextlib
 import multiprocessing
 import multiprocessing.forkserver
+import multiprocessing.resource_tracker
+import multiprocessing.spawn
+import multiprocessing.util
 import os
 import signal
 
@@ -47,6 +50,7 @@ COMPILING = ("trainer.inductor_preload",)
 _AT_IMPORT = dict(os.environ)
 
 STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+_SPAWN = multiprocessing.util.spawnv_passfds  # how multiprocessing starts its server: a new interpreter
 
 _context: multiprocessing.context.ForkServerContext | None = None
 
@@ -92,9 +96,61 @@ def stop() -> None:
 
 def start(compiles: bool = True) -> None:
     """The server started now, if it is not running yet; it imports its preload in its own
-    process while this one goes on."""
+    process while this one goes on, or, where this process holds that preload already (a command
+    forked from `python -m trainer.serve`), it is forked from this one with it."""
     forkserver(compiles)
-    multiprocessing.forkserver.ensure_running()
+    if running() or not holds_the_preload():
+        multiprocessing.forkserver.ensure_running()
+        return
+    multiprocessing.resource_tracker.ensure_running()  # spawned as usual: it imports nothing
+    multiprocessing.util.spawnv_passfds = forked_server
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        multiprocessing.util.spawnv_passfds = _SPAWN
+
+
+def holds_the_preload() -> bool:
+    """Whether a server forked from this process would start with its preload imported and
+    could fork processes that start CUDA: every module of it imported, CUDA not started, and one
+    thread (a fork copies only the calling thread, and a lock another one held stays held)."""
+    import sys
+    import threading
+
+    preload = multiprocessing.forkserver._forkserver._preload_modules
+    if not os.path.isdir("/proc/self/fd") or threading.active_count() != 1:
+        return False  # /proc/self/fd: forked_server's way to its descriptors (Linux)
+    if not all(name in sys.modules for name in preload):
+        return False
+    return not sys.modules["torch"].cuda.is_initialized() if "torch" in sys.modules else True
+
+
+def forked_server(executable: str, args: list[str], passfds: list[int]) -> int:
+    """multiprocessing's server started as a fork of this process where ensure_running would
+    start a new interpreter that imports the preload again (4-5 s on an H100 host, the first job
+    of a parallel sweep waits for it): the same main, with the same descriptors; those of its
+    own it would not have inherited across exec (the write end of its caller's "alive" pipe) are
+    closed. Python 3.14's server takes an authentication key as a third: started as usual."""
+    if len(passfds) != 2:
+        return _SPAWN(executable, args, passfds)
+    listener, alive_r = passfds
+    pid = os.fork()
+    if pid:
+        return pid
+    try:
+        pipe = os.fstat(alive_r)
+        for name in os.listdir("/proc/self/fd"):
+            fd = int(name)
+            with contextlib.suppress(OSError):
+                same = os.fstat(fd)
+                if fd != alive_r and (same.st_ino, same.st_dev) == (pipe.st_ino, pipe.st_dev):
+                    os.close(fd)
+        server = multiprocessing.forkserver._forkserver
+        data = multiprocessing.spawn.get_preparation_data("ignore")
+        paths = {key: value for key, value in data.items() if key in ("main_path", "sys_path")}
+        multiprocessing.forkserver.main(listener, alive_r, server._preload_modules, **paths)
+    finally:
+        os._exit(1)
 
 
 def start_method() -> str:

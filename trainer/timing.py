@@ -112,6 +112,15 @@ def count_from(started_at: float, served_by: int) -> None:
     _command_started_at, _served_by = started_at, served_by
 
 
+def _forget_command() -> None:
+    """In a process forked from a served one (a parallel sweep's worker): its own age again."""
+    global _command_started_at
+    _command_started_at = None
+
+
+os.register_at_fork(after_in_child=_forget_command)
+
+
 def served_by() -> int | None:
     """The pid of the server this process was forked from for its command, or None."""
     return _served_by
