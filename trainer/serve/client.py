@@ -81,6 +81,9 @@ def hand_over(argv: list[str], started_at: float) -> None:
         "path0": sys.path[0],  # `python -m` puts the command's folder first, a script its own
         "started_at": started_at,
     }
+    # Ctrl-C before the run's pid is known would leave a traceback here and the run going on:
+    # held until it can be relayed (or, where no run was forked, until the command runs here).
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, RELAYED)
     with sock:
         try:
             protocol.send(sock, {"run": request}, list(STANDARD_FDS))
@@ -88,14 +91,15 @@ def hand_over(argv: list[str], started_at: float) -> None:
         except OSError:
             reply = None
         if reply is None or "pid" not in reply:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
             return  # the server went away before it forked: run here
-        code = wait_for(sock, reply["pid"])
+        code = wait_for(sock, reply["pid"], held)
     end_as(code)
 
 
-def wait_for(sock: socket.socket, pid: int) -> int:
+def wait_for(sock: socket.socket, pid: int, held: set) -> int:
     """The run's exit code (negative: the signal that ended it), stop signals relayed to its
-    process group meanwhile."""
+    process group meanwhile (those that came while held, first)."""
 
     def relay(signum, frame):
         with contextlib.suppress(ProcessLookupError):
@@ -103,6 +107,7 @@ def wait_for(sock: socket.socket, pid: int) -> int:
 
     for signum in RELAYED:
         signal.signal(signum, relay)
+    signal.pthread_sigmask(signal.SIG_SETMASK, held)
     try:
         message, _ = protocol.receive(sock)
     except OSError:

@@ -208,11 +208,16 @@ def listen(path: Path) -> socket.socket:
     return listener
 
 
+# Beside the forkserver's preload: what a run reads its data with, and a parallel sweep's pool
+# (hydra/launcher=parallel), which the sweep's process and each of its workers import.
+ALSO_PRELOADED = ("numpy", "joblib", "joblib.externals.loky.process_executor")
+
+
 def preload() -> None:
     """What every run imports, as the forkserver preloads it (CUDA left alone)."""
     from trainer import forkserver
 
-    for name in forkserver.PRELOAD + forkserver.COMPILING:
+    for name in forkserver.PRELOAD + forkserver.COMPILING + ALSO_PRELOADED:
         importlib.import_module(name)
     import torch
 
