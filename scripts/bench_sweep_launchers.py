@@ -137,7 +137,11 @@ def main(argv: list[str] | None = None) -> int:
                 if run["returncode"]:
                     print(f"  {run['tail']}", file=sys.stderr)
     warmed = ", after an untimed one each" if args.warm_up else ""
-    print(f"\nsweep: {' '.join(sweep)}; {os.cpu_count()} cores, {args.repeats} sweep(s) per launcher{warmed}")
+    jobs = [job for runs in results.values() for run in runs for job in run["jobs"]]
+    served = sum(bool(job.get("served")) for job in jobs)
+    how = f"; {served} of {len(jobs)} jobs served by python -m trainer.serve" if served else ""
+    per_launcher = f"{args.repeats} sweep(s) per launcher{warmed}{how}"
+    print(f"\nsweep: {' '.join(sweep)}; {os.cpu_count()} cores, {per_launcher}")
     print()
     print(
         "| launcher | wall s (median) | spread | vs basic | per job (median): images/s | startup s "

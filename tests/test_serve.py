@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from conftest import HANG_GUARD_S, SMALL, cli_environment, ends_soon
 
+from trainer import trials
 from trainer.serve import client, protocol
 
 LONG = [
@@ -107,6 +108,16 @@ def test_another_environment_runs_by_itself(served):
     out, err = process.communicate(timeout=HANG_GUARD_S)
     assert process.returncode == 0, err
     assert metrics(run_dir)["served"] is False
+
+
+def test_a_tuner_or_benchmark_trial_stays_a_fresh_process_beside_a_server(served):
+    """trainer.trials.run_trial's processes are fresh by definition (the tuner's `--trial-start
+    fresh`, scripts' rows): they are not handed to the server."""
+    run_dir = served["folder"] / "trial"
+    command = trials.trainer_command([*SMALL, "device=cpu"], run_dir)
+    trial = trials.run_trial(command, run_dir, cwd=served["folder"], env=served["env"])
+    assert trial.returncode == 0, trial.stderr
+    assert trial.metrics["served"] is False
 
 
 def started_training(process: subprocess.Popen, run_dir: Path) -> None:

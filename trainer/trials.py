@@ -96,6 +96,8 @@ def run_trial(
     limit or by the caller's interrupt takes every process in it along (DDP ranks and loader
     workers are its children: left running, they would hold the GPUs of the next trial)."""
     started = time.perf_counter()
+    # a fresh process, even where python -m trainer.serve would take the command (trainer/serve)
+    env = {**(os.environ if env is None else env), "TRAINER_SERVE": "0"}
     process = subprocess.Popen(
         command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True, preexec_fn=die_with_parent,
