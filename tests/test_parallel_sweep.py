@@ -412,3 +412,14 @@ def test_a_sweep_job_compiles_afresh_where_it_would_have_run_eagerly(tmp_path):
         afresh = compiled_job(tmp_path / "c", 32, fresh=True)
         assert afresh["ok"] == afresh["total"] >= 1
     torch._dynamo.reset()
+
+
+def test_the_end_of_a_sweep_without_a_pool_starts_none(monkeypatch):
+    """A basic sweep in a process that has loky imported (python -m trainer.serve preloads it)
+    asks for no pool at its end: asking would start one, with loky's resource tracker."""
+    from joblib.externals.loky import reusable_executor
+
+    if reusable_executor._executor is not None:
+        pytest.skip("a pool of this process's runs already")
+    parallel_jobs.stop_workers()
+    assert reusable_executor._executor is None

@@ -186,12 +186,13 @@ def stop_workers() -> None:
     job has returned by then, its files written and closed; an exiting worker would only tear
     down its interpreter, torch and its CUDA context, and the sweep waited for it (1.1 s on a
     2-core CPU, tiny jobs, before anything else ended the process). loky's own shutdown kills
-    each worker's descendants too. Nothing where no pool was started (the basic launcher)."""
-    if "joblib.externals.loky" not in sys.modules:
+    each worker's descendants too. Nothing where no pool was started (the basic launcher, in a
+    process that may have loky imported all the same: python -m trainer.serve preloads it), where
+    asking for the pool would start one, and loky's resource tracker with it (0.3 s)."""
+    reusable = sys.modules.get("joblib.externals.loky.reusable_executor")
+    if reusable is None or getattr(reusable, "_executor", None) is None:
         return
-    from joblib.externals.loky import get_reusable_executor
-
-    get_reusable_executor(reuse=True).shutdown(wait=True, kill_workers=True)
+    reusable.get_reusable_executor(reuse=True).shutdown(wait=True, kill_workers=True)
 
 
 @contextlib.contextmanager
