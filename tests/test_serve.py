@@ -100,6 +100,29 @@ def test_a_served_parallel_sweep_runs_its_jobs_in_workers_of_the_served_process(
     assert [(job["status"], job["served"]) for job in jobs] == [("completed", True)] * 2
 
 
+def test_the_trainer_command_and_another_name_of_the_interpreter_are_served_too(served):
+    """The console script (`trainer`) and the interpreter by its other name (`python3` beside
+    `python`) find the server: an interpreter counts by its file, not by the name it was called."""
+    bin_dir = Path(sys.executable).parent
+    other = bin_dir / ("python3" if Path(sys.executable).name != "python3" else "python")
+    heads = [[str(bin_dir / "trainer")]] if (bin_dir / "trainer").is_file() else []
+    heads += [[str(other), "-m", "trainer"]] if other.exists() else []
+    if not heads:
+        pytest.skip("no console script and no other name of the interpreter beside it")
+    for number, head in enumerate(heads):
+        run_dir = served["folder"] / f"named-{number}"
+        run = subprocess.run(
+            [*head, *SMALL, "device=cpu", f"hydra.run.dir={run_dir}"],
+            cwd=served["folder"],
+            env=served["env"],
+            capture_output=True,
+            text=True,
+            timeout=HANG_GUARD_S,
+        )
+        assert run.returncode == 0, run.stderr
+        assert metrics(run_dir)["served"] is True, head
+
+
 def test_another_environment_runs_by_itself(served):
     run_dir = served["folder"] / "other"
     process = trainer(

@@ -66,7 +66,9 @@ def environment_key(environ: dict[str, str] | None = None) -> str:
     """16 hex digits that differ wherever a forked process would differ from a fresh one."""
     environ = os.environ if environ is None else environ
     digest = hashlib.sha256()
-    for part in (sys.executable, sys.version, sys.prefix, str(package_folder())):
+    # the interpreter by its file: `python` and `python3` of one venv are links to it; the venv
+    # (sys.prefix) tells two venvs of one interpreter apart
+    for part in (os.path.realpath(sys.executable), sys.version, sys.prefix, str(package_folder())):
         digest.update(part.encode() + b"\0")
     for path in sorted(package_folder().rglob("*.py")):
         stat = path.stat()
