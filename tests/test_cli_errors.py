@@ -248,6 +248,32 @@ def test_a_sweep_is_checked_value_by_value_with_its_fixed_overrides(tmp_path):
         check_command_line(["-m", "num_workers=2", "data=synthetic", "data.loader=torch,gpu"])
 
 
+def test_a_small_sweep_is_checked_job_by_job_and_hydra_does_not_compose_its_jobs_again(monkeypatch):
+    """Every combination is a job: one that fails only in combination is refused before any
+    folder. Hydra's own pass over the batch is then left out; where the checks did not see
+    every job (more than 64), Hydra makes it as before."""
+    from hydra.core.plugins import Plugins
+
+    from trainer import sweep_checks
+    from trainer.cli_checks import check_command_line
+
+    with pytest.raises(ConfigError, match="data.loader=gpu uses no worker processes"):
+        check_command_line(["-m", "data=synthetic", "data.loader=torch,gpu", "num_workers=0,2"])
+    Plugins.instance()  # its scan replaces the sweeper's module: the class Hydra runs is the one after it
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+
+    asked = []
+    monkeypatch.setattr(BasicSweeper, "validate_batch_is_legal", lambda self, batch: asked.append(batch))
+    monkeypatch.setattr(sweep_checks, "jobs_checked", False)
+    sweep_checks.install()
+    base = ["-m", "model=cnn", "data=synthetic"]
+    check_command_line([*base, "amp=false,true", "seed=0,1"])
+    BasicSweeper.validate_batch_is_legal(None, ["checked"])
+    check_command_line([*base, "seed=range(0,65)"])
+    BasicSweeper.validate_batch_is_legal(None, ["unseen"])
+    assert asked == [["unseen"]]
+
+
 @pytest.mark.parametrize(
     "args",
     [
