@@ -199,6 +199,51 @@ def test_a_socket_left_by_a_killed_server_is_not_a_server(tmp_path, monkeypatch)
     assert path.exists() and client.connect() is None
 
 
+def test_a_served_run_takes_the_commands_umask(served):
+    """The umask (as the command's other process settings: trainer/serve/settings.py) is the
+    command's, not the server's: the run's log is private under `umask 077`."""
+    run_dir = served["folder"] / "umask"
+    private = lambda: os.umask(0o077)  # noqa: E731
+    process = trainer(served, *SMALL, "device=cpu", f"hydra.run.dir={run_dir}", preexec_fn=private)
+    out, err = process.communicate(timeout=HANG_GUARD_S)
+    assert process.returncode == 0, err
+    assert metrics(run_dir)["served"] is True
+    assert (run_dir / "__main__.log").stat().st_mode & 0o777 == 0o600
+
+
+def test_a_message_the_server_cannot_read_leaves_it_serving(served):
+    path = next((served["folder"] / "sockets").glob("*.sock"))
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.connect(str(path))
+        sock.sendall(protocol.LENGTH.pack(1) + b"{")  # not JSON
+        assert protocol.receive(sock)[0] is None  # dropped
+    assert served["server"].poll() is None
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:  # and answers the next one
+        sock.connect(str(path))
+        protocol.send(sock, {"status": True})
+        assert protocol.receive(sock)[0]["pid"] == served["server"].pid
+
+
+def test_a_socket_in_a_folder_others_may_enter_is_not_trusted(tmp_path, monkeypatch):
+    """Another user could have made the folder and put a socket there to read the command's
+    environment and take its terminal: only a folder of this user's alone counts."""
+    folder = tmp_path / "sockets"
+    folder.mkdir(mode=0o777)
+    folder.chmod(0o777)
+    monkeypatch.setenv("TRAINER_SERVE_DIR", str(folder))
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(protocol.socket_path(protocol.environment_key())))
+    listener.listen(1)
+    try:
+        assert client.connect() is None
+        folder.chmod(0o700)
+        answered = client.connect()
+        assert answered is not None
+        answered.close()
+    finally:
+        listener.close()
+
+
 def test_a_stopped_server_ends_and_takes_no_command(served):
     def serve(option: str) -> subprocess.CompletedProcess:
         command = [sys.executable, "-m", "trainer.serve", option]

@@ -35,6 +35,7 @@ import multiprocessing.spawn
 import multiprocessing.util
 import os
 import signal
+import threading
 
 PRELOAD = (
     "trainer.__main__",
@@ -146,6 +147,7 @@ def forked_server(executable: str, args: list[str], passfds: list[int]) -> int:
                 if fd != alive_r and (same.st_ino, same.st_dev) == (pipe.st_ino, pipe.st_dev):
                     os.close(fd)
         server = multiprocessing.forkserver._forkserver
+        server._lock = threading.Lock()  # held by ensure_running in the process forked from
         data = multiprocessing.spawn.get_preparation_data("ignore")
         paths = {key: value for key, value in data.items() if key in ("main_path", "sys_path")}
         multiprocessing.forkserver.main(listener, alive_r, server._preload_modules, **paths)

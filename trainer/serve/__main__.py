@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 import time
 
@@ -42,8 +43,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
-    key = protocol.environment_key()  # before anything here changes the environment
-    path = protocol.socket_path(key)
+    environ = dict(os.environ)  # as started: the key is the environment's before anything here changes it
+    path = protocol.socket_path(protocol.environment_key(environ))
     from trainer.serve import server
 
     if args.stop or args.status:
@@ -55,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
         counts = f"{answer['running']} running, {answer['served']} served"
         print(f"trainer.serve: pid {answer['pid']} {verb}: {counts}")
         return 0
+    if not hasattr(socket, "SO_PEERCRED"):
+        print("trainer.serve: error: needs Linux (a socket's peer credentials, SO_PEERCRED)", file=sys.stderr)
+        return 2
     try:
         protocol.private_folder()
     except PermissionError as error:
@@ -66,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     bytecode.cache_bytecode()
     server.preload()
     try:
-        loop = server.Server(path, args.idle_minutes * 60 if args.idle_minutes > 0 else None)
+        loop = server.Server(path, args.idle_minutes * 60 if args.idle_minutes > 0 else None, environ)
     except FileExistsError as error:
         print(f"trainer.serve: error: {error}: python -m trainer.serve --stop", file=sys.stderr)
         return 1

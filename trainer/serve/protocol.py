@@ -21,6 +21,7 @@ import importlib.util
 import json
 import os
 import socket
+import stat
 import struct
 import sys
 import tempfile
@@ -31,7 +32,7 @@ SWITCH_VARIABLE = "TRAINER_SERVE"  # 0: this command runs by itself even where a
 # Read by modules when they are imported, so a forked run keeps the server's.
 IMPORT_TIME_PREFIXES = (
     *("PYTHON", "LD_", "TORCH", "PYTORCH", "TRITON"),
-    *("CUDA", "CUBLAS", "CUDNN", "NVIDIA", "OMP_", "MKL_", "KMP_"),
+    *("CUDA", "CUBLAS", "CUDNN", "NVIDIA", "OMP_", "MKL_", "KMP_", "OPENBLAS_"),
 )
 # Read after the imports (CUDA's start, the run), so each command brings its own.
 READ_LATER = {"CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", SWITCH_VARIABLE, FOLDER_VARIABLE}
@@ -48,14 +49,28 @@ def folder() -> Path:
     return Path(base) / f"trainer-serve-{os.getuid()}"
 
 
+def owned_folder(path: Path) -> bool:
+    """Whether `path` is a folder of this user's that no one else may enter (not a link to one)."""
+    try:
+        status = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(status.st_mode) and status.st_uid == os.getuid() and not status.st_mode & 0o077
+
+
 def private_folder() -> Path:
     """folder(), made if missing; refused where another user owns it or others may enter it."""
     path = folder()
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    status = path.stat()
-    if status.st_uid != os.getuid() or status.st_mode & 0o077:
+    if not owned_folder(path):
         raise PermissionError(f"{path} must be yours alone (chmod 700 {path}), or set {FOLDER_VARIABLE}")
     return path
+
+
+def peer_uid(sock: socket.socket) -> int:
+    """The user of the process at the other end of a Unix socket (Linux: SO_PEERCRED)."""
+    credentials = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", credentials)[1]
 
 
 def package_folder() -> Path:
@@ -68,12 +83,15 @@ def environment_key(environ: dict[str, str] | None = None) -> str:
     digest = hashlib.sha256()
     # the interpreter by its file: `python` and `python3` of one venv are links to it; the venv
     # (sys.prefix) tells two venvs of one interpreter apart
-    for part in (os.path.realpath(sys.executable), sys.version, sys.prefix, str(package_folder())):
+    # the interpreter's flags (-O, -X ..., -W ...) and the cgroup (a Slurm job's CPUs and GPUs)
+    # are the process's own: a command with others runs by itself
+    flags = (repr(sys.flags), repr(sorted(sys._xoptions.items())), repr(sys.warnoptions), cgroup())
+    for part in (os.path.realpath(sys.executable), sys.version, sys.prefix, str(package_folder()), *flags):
         digest.update(part.encode() + b"\0")
     for path in sorted(package_folder().rglob("*.py")):
         stat = path.stat()
         digest.update(f"{path}:{stat.st_size}:{stat.st_mtime_ns}\0".encode())
-    for name in ("torch", "hydra", "omegaconf"):
+    for name in ("torch", "hydra", "omegaconf", "numpy", "joblib", "tensorboard"):
         spec = importlib.util.find_spec(name)
         origin = spec.origin if spec and spec.origin else ""
         stamp = os.stat(origin).st_mtime_ns if origin and os.path.exists(origin) else 0
@@ -82,6 +100,14 @@ def environment_key(environ: dict[str, str] | None = None) -> str:
         if name.startswith(IMPORT_TIME_PREFIXES) and name not in READ_LATER:
             digest.update(f"{name}={environ[name]}\0".encode())
     return digest.hexdigest()[:16]
+
+
+def cgroup() -> str:
+    try:
+        with open("/proc/self/cgroup") as groups:
+            return groups.read()
+    except OSError:
+        return ""
 
 
 def socket_path(key: str) -> Path:

@@ -24,19 +24,24 @@ import os
 import selectors
 import signal
 import socket
-import struct
+import sys
 import time
+import traceback
+import warnings
 from pathlib import Path
 
 from trainer.serve import protocol
 
 REQUEST_TIMEOUT_S = 10.0  # a client sends its request at once; one that does not is dropped
+STALE_CHECK_S = 30.0  # how often the server checks that its code and packages are as it imported them
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGCHLD)
 
 
 class Server:
-    def __init__(self, path: Path, idle_s: float | None):
+    def __init__(self, path: Path, idle_s: float | None, environ: dict[str, str]):
         self.path = path
         self.idle_s = idle_s
+        self.environ = environ  # as the server started: its key is worked out from it
         self.children: dict[int, socket.socket] = {}  # a run's pid -> its client
         self.stopping = False
         self.served = 0
@@ -55,11 +60,18 @@ class Server:
         self.selector.register(self.wake_r, selectors.EVENT_READ, "wake")
         idle_since = time.monotonic()
         while not (self.stopping and not self.children):
-            timeout = None
+            timeout = STALE_CHECK_S
             if self.idle_s is not None and not self.children:
-                timeout = self.idle_s - (time.monotonic() - idle_since)
-            if timeout is not None and timeout <= 0:
+                timeout = min(timeout, self.idle_s - (time.monotonic() - idle_since))
+            if timeout <= 0:
                 print(f"trainer.serve: idle for {self.idle_s / 60:g} min: stopped", flush=True)
+                self.stop()
+                continue
+            if (
+                not self.stopping
+                and protocol.socket_path(protocol.environment_key(self.environ)) != self.path
+            ):
+                print("trainer.serve: the code or the packages changed: stopped (start it again)", flush=True)
                 self.stop()
                 continue
             for key, _ in self.selector.select(timeout):
@@ -76,26 +88,33 @@ class Server:
         self.close()
 
     def accept(self) -> None:
-        with contextlib.suppress(BlockingIOError):
+        """One client's message: a command to run, or a stop or status request. Whatever it
+        sends, the server goes on (a message it cannot read is dropped with its descriptors)."""
+        try:
             conn, _ = self.listener.accept()
+        except OSError:  # none waiting after all, or the listener closed by a stop meanwhile
+            return
+        fds: list[int] = []
+        try:
             conn.settimeout(REQUEST_TIMEOUT_S)
-            try:
-                if peer_uid(conn) != os.getuid():
-                    raise PermissionError("another user's command")
-                message, fds = protocol.receive(conn, max_fds=3)
-            except OSError:
-                conn.close()
-                return
-            if message and "run" in message and len(fds) == 3 and not self.stopping:
+            if protocol.peer_uid(conn) != os.getuid():
+                raise PermissionError("another user's command")
+            message, fds = protocol.receive(conn, max_fds=3)
+            if isinstance(message, dict) and "run" in message and len(fds) == 3 and not self.stopping:
                 self.fork(conn, message["run"], fds)
+                fds, conn = [], None  # the run's now
                 return
+            if isinstance(message, dict) and "stop" in message:
+                self.stop()
+            protocol.send(conn, self.status())
+        except Exception as error:  # noqa: BLE001 - one bad client must not end every served run
+            print(f"trainer.serve: a client's message dropped: {error!r}", file=sys.stderr, flush=True)
+        finally:
             for fd in fds:
-                os.close(fd)
-            with contextlib.suppress(OSError):
-                if message and "stop" in message:
-                    self.stop()
-                protocol.send(conn, self.status())
-            conn.close()
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            if conn is not None:
+                conn.close()
 
     def status(self) -> dict:
         return {"pid": os.getpid(), "running": len(self.children), "served": self.served}
@@ -103,14 +122,22 @@ class Server:
     def fork(self, conn: socket.socket, request: dict, fds: list[int]) -> None:
         own = [self.listener.fileno(), self.wake_r, self.wake_w, self.selector.fileno(), conn.fileno()]
         own += [client.fileno() for client in self.children.values()]
-        pid = os.fork()
+        # Held across the fork: a stop signal for the run (relayed by its client) waits until the
+        # run has its own handlers, rather than running the server's in the child.
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        with warnings.catch_warnings():  # 3.12's "multi-threaded fork": torch's own threads
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
         if pid == 0:
             try:
                 from trainer.serve import child
 
                 child.run(request, fds, own)
+            except BaseException:
+                traceback.print_exc()
             finally:
                 os._exit(70)
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
         for fd in fds:
             os.close(fd)
         self.served += 1
@@ -175,11 +202,6 @@ class Server:
         self.selector.close()
         os.close(self.wake_r)
         os.close(self.wake_w)
-
-
-def peer_uid(conn: socket.socket) -> int:
-    credentials = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return struct.unpack("3i", credentials)[1]
 
 
 def listen(path: Path) -> socket.socket:
