@@ -90,13 +90,12 @@ def run_trial(
     cwd: Path | None = None,
     env: dict | None = None,
 ) -> Trial:
-    """Run one trial process; its output is kept in run_dir/output.log (up to the time limit,
-    when it hits it). The trial dies with this process (die_with_parent). The trial gets a
-    process group of its own, and a trial stopped at the
-    limit or by the caller's interrupt takes every process in it along (DDP ranks and loader
-    workers are its children: left running, they would hold the GPUs of the next trial)."""
+    """Run one trial process, a fresh one even beside python -m trainer.serve (TRAINER_SERVE=0);
+    its output is kept in run_dir/output.log (up to the time limit, when it hits it). The trial
+    dies with this process (die_with_parent). The trial gets a process group of its own, and a
+    trial stopped at the limit or by the caller's interrupt takes every process in it along (DDP
+    ranks and loader workers are its children: left running, they would hold the next trial's GPUs)."""
     started = time.perf_counter()
-    # a fresh process, even where python -m trainer.serve would take the command (trainer/serve)
     env = {**(os.environ if env is None else env), "TRAINER_SERVE": "0"}
     process = subprocess.Popen(
         command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
