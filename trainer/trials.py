@@ -6,14 +6,13 @@ or allocator state. Its images/s leaves out the first epoch (loader start, first
 autotuning, the process's start-up); repeats give a median and a min-max spread; results can be
 appended as JSON lines as they come, so a stopped series keeps what finished.
 
-Owns: the warm-up rule (`timed_epochs`, `includes_warm_up`; the sweep report reads it too), starting
-a trial and reading back what it left (`run_trial`, `fresh_trial`, `trial_left`; trainer.trial_fork
-forks one instead), repeating them (`repeat` back to back, `rounds` interleaved), the numbers of one
-trial (`steady_numbers`) and of its repeats (`median_and_spread`), and the cells every trial table
-shares (`fmt`, `spread`, `environment`, `machine`). Must not touch: what to run (row lists, peers
-and their tables live in scripts/, the choice of settings in the tuner) or the training itself;
-torch is imported only by `gpu_name()` and its callers, so the report can use this module without
-it.
+Owns: the warm-up rule (`timed_epochs`, `includes_warm_up`; the sweep report reads it too), starting a trial
+and reading back what it left (`run_trial`, `fresh_trial`, `trial_left`; trainer.trial_fork forks one
+instead), repeating them (`repeat` back to back, `rounds` interleaved), the numbers of one trial
+(`steady_numbers`) and of its repeats (`median_and_spread`), and the cells every trial table shares (`fmt`,
+`spread`, `environment`, `machine`). Must not touch: what to run (row lists, peers and their tables live in
+scripts/, the choice of settings in the tuner) or the training itself; torch is imported only by
+`gpu_name()` and its callers, so the report can use this module without it.
 """
 
 from __future__ import annotations
