@@ -35,6 +35,7 @@ import multiprocessing.spawn
 import multiprocessing.util
 import os
 import signal
+import sys
 import threading
 
 PRELOAD = (
@@ -115,9 +116,6 @@ def holds_the_preload() -> bool:
     """Whether a server forked from this process would start with its preload imported and
     could fork processes that start CUDA: every module of it imported, CUDA not started, and one
     thread (a fork copies only the calling thread, and a lock another one held stays held)."""
-    import sys
-    import threading
-
     preload = multiprocessing.forkserver._forkserver._preload_modules
     if not os.path.isdir("/proc/self/fd") or threading.active_count() != 1:
         return False  # /proc/self/fd: forked_server's way to its descriptors (Linux)

@@ -57,7 +57,7 @@ class Trainer:
         self.run.jobs_at_once = jobs_at_once  # a parallel sweep's job: how many of its jobs run at once
         self.run.device_name = device_name  # and its GPU as the host numbers it (trainer.parallel_jobs)
         self.run.startup_s = timing.wall_s()  # the interpreter, imports, Hydra, the checks
-        if (server := timing.served_by()) is not None and self.run.startup_s is not None:
+        if (server := timing.served_by()) is not None:
             log.info("served: forked from python -m trainer.serve (pid %d), without its imports", server)
         self.config = self.run.config  # the resolved config, as checkpoints save it
 

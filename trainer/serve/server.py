@@ -58,22 +58,25 @@ class Server:
             signal.signal(signum, lambda *_: self.stop())
         self.selector.register(self.listener, selectors.EVENT_READ, "accept")
         self.selector.register(self.wake_r, selectors.EVENT_READ, "wake")
-        idle_since = time.monotonic()
+        idle_since = stale_checked = time.monotonic()
         while not (self.stopping and not self.children):
-            timeout = STALE_CHECK_S
-            if self.idle_s is not None and not self.children:
-                timeout = min(timeout, self.idle_s - (time.monotonic() - idle_since))
-            if timeout <= 0:
+            now = time.monotonic()
+            if self.idle_s is not None and not self.children and now - idle_since >= self.idle_s:
                 print(f"trainer.serve: idle for {self.idle_s / 60:g} min: stopped", flush=True)
                 self.stop()
                 continue
-            if (
-                not self.stopping
-                and protocol.socket_path(protocol.environment_key(self.environ)) != self.path
-            ):
-                print("trainer.serve: the code or the packages changed: stopped (start it again)", flush=True)
-                self.stop()
-                continue
+            if now - stale_checked >= STALE_CHECK_S:  # when due, not per command: 110 files' stats
+                stale_checked = now
+                if not self.stopping and self.stale():
+                    print(
+                        "trainer.serve: the code or the packages changed: stopped (start it again)",
+                        flush=True,
+                    )
+                    self.stop()
+                    continue
+            timeout = STALE_CHECK_S - (now - stale_checked)
+            if self.idle_s is not None and not self.children:
+                timeout = min(timeout, self.idle_s - (now - idle_since))
             for key, _ in self.selector.select(timeout):
                 if key.data == "accept":
                     self.accept()
@@ -86,6 +89,10 @@ class Server:
             if self.children:
                 idle_since = time.monotonic()
         self.close()
+
+    def stale(self) -> bool:
+        """Whether the code or packages changed since the server imported them (its key moved)."""
+        return protocol.socket_path(protocol.environment_key(self.environ)) != self.path
 
     def accept(self) -> None:
         """One client's message: a command to run, or a stop or status request. Whatever it
