@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 
 import numpy as np
 import pytest
@@ -530,3 +532,43 @@ def test_the_console_goes_quiet_only_for_a_stream_that_cannot_be_written(capsys)
     assert not handler.silenced and "--- Logging error ---" in capsys.readouterr().err
     handler.handle(logging.LogRecord("x", logging.INFO, __file__, 1, "fine", None, None))
     assert stream.getvalue() == "fine\n"
+
+
+def test_the_evaluation_uses_cudnns_heuristics_where_the_training_autotunes(tmp_path, monkeypatch):
+    gpu = torch.device("cuda", 0)  # only its type is read: no CUDA needed
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    assert perf.evaluation_backend(gpu) is contextlib.nullcontext  # nothing autotunes
+    trainer = built(tmp_path, "cudnn_benchmark=true", "data.train_size=64", "data.test_size=32")
+    assert trainer.parts.evaluation_backend is contextlib.nullcontext  # a CPU has no cuDNN
+    assert torch.backends.cudnn.benchmark
+    trainer.parts.evaluation_backend = perf.evaluation_backend(gpu)  # as on a GPU
+    seen = []
+    trainer.parts.raw_model.register_forward_hook(lambda *_: seen.append(torch.backends.cudnn.benchmark))
+    trainer.evaluate()
+    assert seen and not any(seen)
+    assert torch.backends.cudnn.benchmark  # the training's autotuning back after it
+
+
+def test_compile_works_out_inductors_cache_keys_beside_the_set_up(monkeypatch):
+    from torch._inductor import codecache
+
+    from trainer.perf import compile_keys
+
+    threads = []
+
+    def key() -> bytes:
+        threads.append(threading.current_thread().name)
+        return b"key"
+
+    for name in compile_keys.INDUCTOR_CACHE_KEYS:  # a torch without prefetch(): before 2.13
+        monkeypatch.setattr(codecache, name, key)
+    assert perf.cache_keys_ahead(to_train_config(compose_config("compile=false"))) is None
+    assert threads == []
+    worker = perf.cache_keys_ahead(to_train_config(compose_config("compile=true")))
+    worker.join()
+    assert threads == ["inductor-cache-keys"] * len(compile_keys.INDUCTOR_CACHE_KEYS)
+
+    prefetched = []
+    key.prefetch = lambda: prefetched.append(1)  # torch 2.13 and later: torch's own thread
+    assert perf.cache_keys_ahead(to_train_config(compose_config("compile=true"))) is None
+    assert len(prefetched) == len(compile_keys.INDUCTOR_CACHE_KEYS)

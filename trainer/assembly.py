@@ -90,6 +90,7 @@ class Parts:
     eval_plan: evaluation.Plan
     tta_views: list[evaluation.View]
     tta_unsure: float  # the share of each test batch the views are for (eval.tta_unsure)
+    evaluation_backend: ContextFactory  # cuDNN's heuristics, where the training autotunes
     target_acc: float | None
     # measuring and diagnosing
     warm_up_steps: int  # trained and undone before the clock starts (compile, cuDNN autotuning)
@@ -123,6 +124,7 @@ def assemble(cfg: TrainConfig, ranks: Ranks, device: torch.device) -> Parts:
     weights are drawn after the seeds, as every run of this config draws them)."""
     checkpoint.seed_rngs(cfg.seed)
     perf.apply_backend_flags(cfg, device)
+    perf.cache_keys_ahead(cfg)  # beside the data's set-up
     splits, train_loader, train_batches, test_batches, setup_data_s = build_data(cfg, ranks, device)
     raw_model, model, ddp_model, step_graph, meter, init_s = build_network(cfg, ranks, device, splits)
     global_batch = cfg.batch_size * ranks.world_size * cfg.grad_accum_steps
@@ -166,6 +168,7 @@ def assemble(cfg: TrainConfig, ranks: Ranks, device: torch.device) -> Parts:
         eval_plan=evaluation.Plan(cfg.eval.from_epoch, cfg.eval_every),
         tta_views=evaluation.tta_views(cfg.eval.tta),
         tta_unsure=cfg.eval.tta_unsure,
+        evaluation_backend=perf.evaluation_backend(device),
         target_acc=cfg.target_acc,
         warm_up_steps=perf.warm_up_steps(cfg, device, captured=step_graph is not None),
         warm_up_work=perf.warm_up_work(cfg, device, captured=step_graph is not None),
@@ -264,14 +267,9 @@ def build_network(cfg: TrainConfig, ranks: Ranks, device: torch.device, splits: 
 def logged_peak_lr(cfg: TrainConfig, global_batch: int) -> float:
     """optim.lr scaled to the global batch, said in the run's log."""
     lr_peak = peak_lr(cfg.optim, global_batch)
-    log.info(
-        "peak lr %.4g: optim.lr=%g for optim.lr_base_batch=%d, scaled (%s) to the global batch %d",
-        lr_peak,
-        cfg.optim.lr,
-        cfg.optim.lr_base_batch,
-        scaling_rule(cfg.optim).value,
-        global_batch,
-    )
+    rule, base = scaling_rule(cfg.optim).value, cfg.optim.lr_base_batch
+    message = "peak lr %.4g: optim.lr=%g for optim.lr_base_batch=%d, scaled (%s) to the global batch %d"
+    log.info(message, lr_peak, cfg.optim.lr, base, rule, global_batch)
     return lr_peak
 
 

@@ -23,6 +23,8 @@ import contextlib
 import importlib
 import os
 
+from trainer.perf.compile_keys import inductor_cache_keys
+
 NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
 
 
@@ -44,12 +46,7 @@ def preload() -> None:
     """Inductor imported and its cache keys worked out, CUDA left alone."""
     with cuda_checked_by_nvml():
         importlib.import_module("torch._inductor.compile_fx")
-    from torch._inductor import codecache
-
-    # Private to torch, hence looked up, not imported: a torch without one of them only loses the head start.
-    for key in ("torch_key", "triton_key"):
-        with contextlib.suppress(Exception):
-            getattr(codecache, key)()
+    inductor_cache_keys()
 
 
 preload()

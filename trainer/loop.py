@@ -263,7 +263,7 @@ def warm_up_steps(parts: Parts, epoch: int, evaluate: Callable[[], dict]) -> Non
             apply_gradients(parts)
     for name, part in changed.items():
         part.load_state_dict(saved[name])
-    evaluate()  # cuDNN's autotuning of the evaluation's shapes, outside time to target
+    evaluate()  # the evaluation's first run (its kernels' first loads), outside time to target
     parts.synchronize()
 
 
@@ -279,8 +279,9 @@ def evaluate(parts: Parts) -> dict:
         parts.ranks,
         parts.tta_unsure,
     )
-    results = evaluation.evaluate(parts.average.module, *common)
-    if parts.average.module is not parts.raw_model:
-        trained = evaluation.evaluate(parts.raw_model, *common)
-        results |= {f"{key}_trained": value for key, value in trained.items()}
+    with parts.evaluation_backend():
+        results = evaluation.evaluate(parts.average.module, *common)
+        if parts.average.module is not parts.raw_model:
+            trained = evaluation.evaluate(parts.raw_model, *common)
+            results |= {f"{key}_trained": value for key, value in trained.items()}
     return results

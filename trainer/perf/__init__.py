@@ -8,11 +8,12 @@ A new toggle is a field in trainer/config.py and a few lines in the file of its 
   __init__.py  the step's own: precision (amp, its dtype, the gradient scaler), zero_grad,
                the optimizer's fused kernels
   cpu_bf16.py  whether bf16 autocast pays on this CPU (timed once, for amp's warning)
-  backend.py   torch.backends switches (deterministic, cudnn_benchmark, tf32) and the warm-up
-               steps their autotuning (or torch.compile) calls for
+  backend.py   torch.backends switches (deterministic, cudnn_benchmark, tf32), the warm-up
+               steps their autotuning (or torch.compile) calls for, the evaluation's switches
   inputs.py    DataLoader workers, pinned memory, non-blocking copies, prefetching
   model.py     channels_last, DataParallel, torch.compile: the model the step calls
   compile_workers.py  when torch.compile's compile-worker pool is stopped, and how
+  compile_keys.py  torch's compile-cache keys worked out beside the set-up
   ddp.py       how ranks average gradients (ddp_sync): DistributedDataParallel and its ddp_*
                communication toggles, or all_reduce.py's one all-reduce after backward
   step_graph.py forward, backward and gradient average as one CUDA graph (step_graph)
@@ -33,7 +34,14 @@ import torch
 
 from trainer.config import AmpDtype, TrainConfig
 from trainer.perf.all_reduce import BufferAverage, GradientAverage, broadcast_module
-from trainer.perf.backend import WARM_UP_STEPS, apply_backend_flags, warm_up_steps, warm_up_work
+from trainer.perf.backend import (
+    WARM_UP_STEPS,
+    apply_backend_flags,
+    evaluation_backend,
+    warm_up_steps,
+    warm_up_work,
+)
+from trainer.perf.compile_keys import cache_keys_ahead
 from trainer.perf.compile_workers import stop_compile_workers
 from trainer.perf.cpu_bf16 import cpu_bf16_slowdown
 from trainer.perf.ddp import (
@@ -78,6 +86,8 @@ __all__ = [
     "apply_backend_flags",
     "at_default",
     "autocast_context",
+    "cache_keys_ahead",
+    "evaluation_backend",
     "broadcast_module",
     "batch_mover",
     "bucket_cap_mb",

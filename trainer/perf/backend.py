@@ -6,7 +6,9 @@ Must not touch: the model, the data, the step (the other files of trainer/perf/)
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -39,6 +41,28 @@ def apply_backend_flags(cfg: TrainConfig, device: torch.device) -> None:
     torch.backends.cudnn.allow_tf32 = cfg.tf32
     if cfg.tf32 and device.type != "cuda":
         cannot_act("tf32=true", f"TensorFloat-32 is a CUDA matmul mode, device is {device}")
+
+
+@contextlib.contextmanager
+def heuristic_convolutions() -> Iterator[None]:
+    """cuDNN's own choice of algorithm inside, without timing them (restored after)."""
+    before = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.benchmark = before
+
+
+def evaluation_backend(device: torch.device) -> Callable[[], contextlib.AbstractContextManager]:
+    """What the evaluation runs under: where cuDNN autotunes (as apply_backend_flags left it),
+    its heuristics instead. Autotuning repays its timing over the thousands of training steps of
+    one shape; an evaluation runs each of its shapes (the batch, the last one, the TTA views of
+    the unsure images) a few times per run, and timing them cost 0.3 s of each fresh process's
+    warm-up (recipe=fastcnn_94, one H100, README "From Enter to result")."""
+    if device.type == "cuda" and torch.backends.cudnn.benchmark:
+        return heuristic_convolutions
+    return contextlib.nullcontext
 
 
 # Steps run before the clock starts when there is compiling or autotuning to do: CUDA graphs
