@@ -562,13 +562,26 @@ def test_compile_works_out_inductors_cache_keys_beside_the_set_up(monkeypatch):
 
     for name in compile_keys.INDUCTOR_CACHE_KEYS:  # a torch without prefetch(): before 2.13
         monkeypatch.setattr(codecache, name, key)
-    assert perf.cache_keys_ahead(to_train_config(compose_config("compile=false"))) is None
+    perf.cache_keys_ahead(to_train_config(compose_config("compile=false")))()
     assert threads == []
-    worker = perf.cache_keys_ahead(to_train_config(compose_config("compile=true")))
-    worker.join()
+    perf.cache_keys_ahead(to_train_config(compose_config("compile=true")))()  # waits for the thread
     assert threads == ["inductor-cache-keys"] * len(compile_keys.INDUCTOR_CACHE_KEYS)
 
     prefetched = []
     key.prefetch = lambda: prefetched.append(1)  # torch 2.13 and later: torch's own thread
-    assert perf.cache_keys_ahead(to_train_config(compose_config("compile=true"))) is None
+    perf.cache_keys_ahead(to_train_config(compose_config("compile=true")))()
     assert len(prefetched) == len(compile_keys.INDUCTOR_CACHE_KEYS)
+    assert len(threads) == len(compile_keys.INDUCTOR_CACHE_KEYS)  # none of ours
+
+
+def test_the_warm_up_waits_for_the_cache_keys_before_its_first_step(tmp_path, monkeypatch):
+    from trainer import loop
+
+    trainer = built(tmp_path, "data.train_size=64", "data.test_size=32", "batch_size=32")
+    order = []
+    trainer.parts.warm_up_steps = 1  # as where it compiles
+    trainer.parts.cache_keys_ready = lambda: order.append("keys")
+    steps = loop.forward_backward
+    monkeypatch.setattr(loop, "forward_backward", lambda *a, **k: order.append("step") or steps(*a, **k))
+    loop.warm_up(trainer.parts, 0, trainer.evaluate)
+    assert order[:2] == ["keys", "step"]

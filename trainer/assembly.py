@@ -94,6 +94,7 @@ class Parts:
     target_acc: float | None
     # measuring and diagnosing
     warm_up_steps: int  # trained and undone before the clock starts (compile, cuDNN autotuning)
+    cache_keys_ready: Callable[[], None]  # waits for torch's compile-cache keys, before the first compile
     warm_up_work: str  # what those steps are for, for the run's log
     low_res_epochs: int  # the first epochs train on smaller images: a second shape to warm up
     mfu: mfu.Meter
@@ -124,7 +125,7 @@ def assemble(cfg: TrainConfig, ranks: Ranks, device: torch.device) -> Parts:
     weights are drawn after the seeds, as every run of this config draws them)."""
     checkpoint.seed_rngs(cfg.seed)
     perf.apply_backend_flags(cfg, device)
-    perf.cache_keys_ahead(cfg)  # beside the data's set-up
+    cache_keys_ready = perf.cache_keys_ahead(cfg)  # worked out beside the data's set-up
     splits, train_loader, train_batches, test_batches, setup_data_s = build_data(cfg, ranks, device)
     raw_model, model, ddp_model, step_graph, meter, init_s = build_network(cfg, ranks, device, splits)
     global_batch = cfg.batch_size * ranks.world_size * cfg.grad_accum_steps
@@ -170,6 +171,7 @@ def assemble(cfg: TrainConfig, ranks: Ranks, device: torch.device) -> Parts:
         tta_unsure=cfg.eval.tta_unsure,
         evaluation_backend=perf.evaluation_backend(device),
         target_acc=cfg.target_acc,
+        cache_keys_ready=cache_keys_ready,
         warm_up_steps=perf.warm_up_steps(cfg, device, captured=step_graph is not None),
         warm_up_work=perf.warm_up_work(cfg, device, captured=step_graph is not None),
         low_res_epochs=cfg.data.low_res_epochs,

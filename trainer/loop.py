@@ -242,6 +242,7 @@ def warm_up(parts: Parts, epoch: int, evaluate: Callable[[], dict]) -> float:
         parts.warm_up_work,
     )
     with still_running("warm-up"):
+        parts.cache_keys_ready()
         warm_up_steps(parts, epoch, evaluate)
     seconds = time.perf_counter() - started
     log.info("warm-up: %d steps compiled and autotuned in %.1f s (compile_s)", parts.warm_up_steps, seconds)

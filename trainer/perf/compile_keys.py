@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Callable
 
 from trainer.config import TrainConfig
 
@@ -29,23 +30,29 @@ def inductor_cache_keys() -> None:
             getattr(codecache, key)()
 
 
-def cache_keys_ahead(cfg: TrainConfig) -> threading.Thread | None:
-    """compile=true: the keys worked out beside what follows (the data's set-up, the model's).
-    torch 2.13 and later do it themselves in a thread of theirs (`prefetch()` on each key);
-    before that, a thread of ours calls them, returned here (None where torch's does it).
-    Inductor's cache module is imported in the calling thread (torch.compile imports it at its
-    first call anyway): two threads importing torch's modules at once could each meet the
-    other's half-imported ones. Ours is not a daemon: a run that ends before it waits for it
-    (under 0.5 s)."""
+def nothing_to_wait_for() -> None:
+    """Where no thread of ours works the keys out."""
+
+
+def cache_keys_ahead(cfg: TrainConfig) -> Callable[[], None]:
+    """compile=true: the keys worked out beside what follows (the data's set-up, the model's);
+    returns what waits for them, for the warm-up to call before its first compile. torch 2.13
+    and later do it themselves in a thread of theirs (`prefetch()` on each key), and a call to
+    the key waits for it; before that, a thread of ours calls them, and the warm-up joins it:
+    a key asked for while our thread still hashes would be worked out twice, and the thread,
+    taking Python's lock back after each 1 MB it hashes, advances slowly while the main thread
+    runs Python (triton_key still hashed in the warm-up, one H100). Inductor's cache module is
+    imported in the calling thread (torch.compile imports it at its first call anyway): two
+    threads importing torch's modules at once could each meet the other's half-imported ones."""
     if not cfg.compile:
-        return None
+        return nothing_to_wait_for
     from torch._inductor import codecache
 
     keys = [getattr(codecache, name, None) for name in INDUCTOR_CACHE_KEYS]
     if all(hasattr(key, "prefetch") for key in keys):
         for key in keys:
             key.prefetch()
-        return None
-    thread = threading.Thread(target=inductor_cache_keys, name="inductor-cache-keys")
+        return nothing_to_wait_for
+    thread = threading.Thread(target=inductor_cache_keys, name="inductor-cache-keys", daemon=True)
     thread.start()
-    return thread
+    return thread.join
