@@ -156,6 +156,19 @@ def test_two_runs_keeping_the_same_cache_at_once_leave_only_whole_files(tmp_path
     assert [file.name for file in path.parent.iterdir()] == [path.name]
 
 
+def test_images_read_from_the_cache_and_changed_in_place_leave_the_file_as_written(tmp_path):
+    images = torch.randint(0, 256, (40, 3, 32, 32), dtype=torch.uint8)
+    path = tmp_path / CACHE_FOLDER / "train-0123456789abcdef.pixels"
+    write_cache(path, images)
+    written = path.read_bytes()
+    read = read_cache(path, tuple(images.shape))
+    read += 1  # the run's own copy (the file is mapped copy-on-write)
+    assert path.read_bytes() == written
+    assert torch.equal(read_cache(path, tuple(images.shape)), images)
+    path.write_bytes(written + b"x")  # one byte more than the header says
+    assert read_cache(path, tuple(images.shape)) is None
+
+
 # ---------------------------------------------------------------- the user's model code (R4)
 
 FAULTY_NETS = """\

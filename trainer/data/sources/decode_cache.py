@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import tempfile
 import zlib
@@ -49,12 +50,16 @@ def read_cache(path: Path, shape: tuple[int, ...]) -> torch.Tensor | None:
         with open(path, "rb") as handle:
             header = json.loads(handle.readline(CACHE_HEADER_BYTES))
             problem = cache_header_problem(header, shape)
-            if problem is None:
-                pixels = np.empty(shape, dtype=np.uint8)
-                complete = handle.readinto(memoryview(pixels).cast("B")) == pixels.nbytes
-                if not complete or handle.read(1):
-                    problem = "holds a different number of bytes than its header says"
-                elif pixel_checksum(pixels) != header["crc32"]:
+            start = handle.tell()
+            if problem is None and os.fstat(handle.fileno()).st_size - start != math.prod(shape):
+                problem = "holds a different number of bytes than its header says"
+            elif problem is None:
+                # Mapped, not read: the pages are the page cache's own, where reading them
+                # filled 153 MB of fresh memory first (0.34 s against 0.04 s, read and
+                # checksum, CIFAR-10's train split on the 2-core CPU). Copy-on-write: nothing
+                # reaches the file, and a writer replaces it (write_cache), never changes it.
+                pixels = np.memmap(handle, dtype=np.uint8, mode="c", offset=start, shape=shape)
+                if pixel_checksum(pixels) != header["crc32"]:
                     problem = "holds pixels that do not match their checksum (changed since written)"
     except (OSError, ValueError) as error:  # ValueError: not JSON, not UTF-8
         problem = f"cannot be read as a decode cache ({str(error).splitlines()[0] or type(error).__name__})"

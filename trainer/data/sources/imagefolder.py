@@ -104,11 +104,13 @@ def load_image_split(
     labels = torch.tensor([label for _, label in samples], dtype=torch.int64)
     if not in_memory:
         return ImageSplit(labels, files=files)
+    started = time.perf_counter()
     cache = folder.parent / CACHE_FOLDER / f"{folder.name}-{fingerprint(folder, samples)}{CACHE_SUFFIX}"
     shape = (len(labels), 3, IMAGE_SIZE, IMAGE_SIZE)
     images = read_cache(cache, shape) if cfg.decode_cache else None
     if images is not None:
-        log.info("read %d decoded images of %s from %s", len(images), folder, cache)
+        seconds = time.perf_counter() - started  # the files' fingerprint, the read and its checksum
+        log.info("read %d decoded images of %s from %s in %.2f s", len(images), folder, cache, seconds)
         return ImageSplit(labels, images, files)
     started = time.perf_counter()
     images = decode_all(files, processes, f"decoding {folder.name}")
