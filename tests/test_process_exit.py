@@ -119,10 +119,12 @@ def test_compile_workers_are_stopped_in_a_thread_the_exit_waits_for(monkeypatch)
 def test_a_compile_pool_still_starting_after_the_warm_up_is_ended_not_waited_for(monkeypatch, caplog, capfd):
     """What a forked run met: its compile, from a warm cache, done before inductor's sidecar had
     imported torch. torch's own stop waits for those imports; the run's stop ends the sidecar,
-    quietly (torch reads it as the stop it asked for). A pool that answered is stopped by torch."""
+    quietly (torch reads it as the stop it asked for). A pool that answered is stopped by torch,
+    except at the end of the sweep it was kept for."""
     pytest.importorskip("triton")
     from torch._inductor import async_compile, config
 
+    from trainer.perf import compile_workers
     from trainer.perf.compile_workers import stop_pool
 
     monkeypatch.setattr(config, "compile_threads", 2)
@@ -154,6 +156,16 @@ def test_a_compile_pool_still_starting_after_the_warm_up_is_ended_not_waited_for
     assert "SubprocPool" not in capfd.readouterr().err
     assert not [record for record in caplog.records if record.levelno >= logging.WARNING]
     assert sum("still starting after the warm-up" in message for message in caplog.messages) == 1
+
+    # a pool kept for a sweep's jobs, at the sweep's end: ended, not waited for, as quietly
+    serving = started_pool(wait_until_ready=True)
+    monkeypatch.setattr(compile_workers, "_workers_serve_the_sweep", True)
+    compile_workers.end_sweep_pool()
+    assert serving.process.poll() == -signal.SIGKILL
+    assert not async_compile._pool_set
+    serving.read_thread.join(HANG_GUARD_S)
+    assert "SubprocPool" not in capfd.readouterr().err
+    assert not [record for record in caplog.records if record.levelno >= logging.WARNING]
 
 
 def test_a_run_whose_compile_workers_are_slow_to_stop_says_how_long_it_waited(tmp_path, monkeypatch, caplog):
@@ -194,3 +206,21 @@ def test_a_sweep_job_keeps_the_compile_workers_where_its_process_runs_the_next_j
     cli.run(compose_config(*overrides), str(tmp_path / "job"), overrides, sweep_dir=str(tmp_path))
     assert (tmp_path / "job" / "metrics.json").is_file()
     assert model._workers_serve_the_sweep is launched_here
+
+
+def test_the_end_of_a_sweep_ends_the_compile_pool_its_jobs_kept(monkeypatch, capsys):
+    import trainer.__main__ as entry
+    from trainer import sweep_summary
+
+    ended = []
+    monkeypatch.setattr(sweep_summary, "outcome", lambda: ("2 jobs completed", 0))
+    monkeypatch.setitem(
+        sys.modules,
+        "trainer.perf.compile_workers",
+        types.SimpleNamespace(end_sweep_pool=lambda: ended.append(1)),
+    )
+    entry.end_of_sweep(0)
+    assert ended == [1] and "2 jobs completed" in capsys.readouterr().out
+    monkeypatch.delitem(sys.modules, "trainer.perf.compile_workers")  # no job ran in this process
+    entry.end_of_sweep(0)
+    assert ended == [1]

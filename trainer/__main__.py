@@ -161,6 +161,9 @@ def end_of_sweep(code: int | str | None) -> None:
     if outcome is None:
         return
     parallel_jobs.stop_workers()
+    compile_workers = sys.modules.get("trainer.perf.compile_workers")  # imported where a job ran here
+    if compile_workers is not None:
+        compile_workers.end_sweep_pool()
     line, sweep_code = outcome
     print(line, file=sys.stderr if sweep_code else sys.stdout, flush=True)
     if sweep_code and not code:

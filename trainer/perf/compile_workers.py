@@ -3,7 +3,7 @@
 a run's first compile. Where the process runs a sweep's next job, it is kept for that job;
 otherwise it is stopped once the warm-up has compiled every graph the run uses, in a thread
 beside the training, and a pool that is still starting then is ended at once instead of waited
-for.
+for. A pool kept for a sweep's jobs is ended after the last one.
 
 Owns: when the pool stops, and how. Must not touch: whether or what a run compiles
 (trainer/perf/model.py).
@@ -22,6 +22,7 @@ from types import ModuleType
 
 log = logging.getLogger(__name__)
 
+NOTHING = "they compiled nothing"
 _workers_serve_the_sweep = False  # this process runs a sweep's jobs (keep_compile_workers)
 
 
@@ -53,7 +54,7 @@ def stop_compile_workers() -> threading.Thread | None:
     return stopping
 
 
-def stop_pool(async_compile: ModuleType) -> None:
+def stop_pool(async_compile: ModuleType, end_served: bool = False) -> None:
     """torch's own stop of every pool (shutdown_compile_workers); a pool that never became ready
     is killed, not waited for. torch's stop sends the sidecar its order and waits for it to exit,
     and a sidecar still importing torch reads the order only once its imports are done. A run
@@ -61,8 +62,9 @@ def stop_pool(async_compile: ModuleType) -> None:
     sidecar is up, and its end waited 2.9-7.6 s for it (one H100, recipe=fastcnn_94,
     outputs/readme/gpu_h100_2026-11-27b.md). Such a pool has served nothing: inductor hands a
     kernel to the pool only once the pool has answered its readiness probe, and compiles it in
-    the process before that."""
-    sidecars = [] if pool_served(async_compile) else starting_sidecars(async_compile)
+    the process before that. `end_served`: a pool that served is ended too (end_sweep_pool)."""
+    served = pool_served(async_compile)
+    sidecars = running_sidecars(async_compile) if end_served or not served else []
     if not sidecars:
         async_compile.shutdown_compile_workers()
         return
@@ -71,10 +73,22 @@ def stop_pool(async_compile: ModuleType) -> None:
     for pool, process in sidecars:
         if ordered_to_stop(pool, stopping):
             kill_with_workers(process.pid)
-            log.info(
-                "ended inductor's compile workers, still starting after the warm-up (they compiled nothing)"
-            )
+            if not served:
+                log.info("ended inductor's compile workers, still starting after the warm-up (%s)", NOTHING)
     stopping.join()
+
+
+def end_sweep_pool() -> None:
+    """After a sweep's last job, in the process that ran its jobs one after another
+    (keep_compile_workers): the pool that served them is ended, not asked to stop. torch's stop
+    at exit has the sidecar shut its workers down and waits for their interpreters to tear
+    down: 1.1 s after a basic sweep's last metrics.json (one H100, recipe=fastcnn_94, 2 jobs;
+    README, "From Enter to result"). Every job has compiled what it ran: the pool holds
+    nothing to keep. Ended as a pool still starting is (stop_pool): killed once torch has sent
+    its order, so that torch reads the end as the stop it asked for."""
+    async_compile = sys.modules.get("torch._inductor.async_compile")
+    if async_compile is not None and _workers_serve_the_sweep:
+        stop_pool(async_compile, end_served=True)
 
 
 def pool_served(async_compile: ModuleType) -> bool:
@@ -83,7 +97,7 @@ def pool_served(async_compile: ModuleType) -> bool:
     return ready is not None and ready.done()
 
 
-def starting_sidecars(async_compile: ModuleType) -> list[tuple[object, object]]:
+def running_sidecars(async_compile: ModuleType) -> list[tuple[object, object]]:
     """(pool, sidecar process) of each pool with a sidecar still running. The attributes are
     torch's own (SubprocPool, torch 2.11 to 2.14); a torch without them only loses the early end."""
     found = []
