@@ -573,6 +573,17 @@ def test_compile_works_out_inductors_cache_keys_beside_the_set_up(monkeypatch):
     assert len(prefetched) == len(compile_keys.INDUCTOR_CACHE_KEYS)
     assert len(threads) == len(compile_keys.INDUCTOR_CACHE_KEYS)  # none of ours
 
+    # torch before 2.13: inductor's cache module has no triton_key, torch asks triton's own
+    pytest.importorskip("triton")
+    import triton.runtime.cache
+
+    monkeypatch.delattr(codecache, "triton_key")
+    monkeypatch.setattr(codecache, "torch_key", lambda: threads.append("torch") or b"key")
+    monkeypatch.setattr(triton.runtime.cache, "triton_key", lambda: threads.append("triton") or "key")
+    threads.clear()
+    perf.cache_keys_ahead(to_train_config(compose_config("compile=true")))()
+    assert sorted(threads) == ["torch", "triton"]
+
 
 def test_the_warm_up_waits_for_the_cache_keys_before_its_first_step(tmp_path, monkeypatch):
     from trainer import loop

@@ -21,13 +21,27 @@ from trainer.config import TrainConfig
 INDUCTOR_CACHE_KEYS = ("torch_key", "triton_key")
 
 
-def inductor_cache_keys() -> None:
-    """Each key worked out (torch keeps it for the process)."""
+def key_functions() -> list[Callable[[], object]]:
+    """The functions that work the keys out and keep them. torch 2.13 and later have both in
+    inductor's cache module; before, torch asks triton's own triton_key (kept by triton), and
+    the cache module has none of that name (torch 2.11: triton_key hashed inside the first
+    compile of a run forked from the preloaded server too, one H100)."""
     from torch._inductor import codecache
 
-    for key in INDUCTOR_CACHE_KEYS:
+    found = {name: getattr(codecache, name, None) for name in INDUCTOR_CACHE_KEYS}
+    if found["triton_key"] is None:
+        with contextlib.suppress(ImportError):  # no triton: no key to work out
+            from triton.runtime.cache import triton_key
+
+            found["triton_key"] = triton_key
+    return [key for key in found.values() if key is not None]
+
+
+def inductor_cache_keys(keys: list[Callable[[], object]] | None = None) -> None:
+    """Each key worked out (kept for the process by torch or triton)."""
+    for key in key_functions() if keys is None else keys:
         with contextlib.suppress(Exception):
-            getattr(codecache, key)()
+            key()
 
 
 def nothing_to_wait_for() -> None:
@@ -41,18 +55,17 @@ def cache_keys_ahead(cfg: TrainConfig) -> Callable[[], None]:
     the key waits for it; before that, a thread of ours calls them, and the warm-up joins it:
     a key asked for while our thread still hashes would be worked out twice, and the thread,
     taking Python's lock back after each 1 MB it hashes, advances slowly while the main thread
-    runs Python (triton_key still hashed in the warm-up, one H100). Inductor's cache module is
-    imported in the calling thread (torch.compile imports it at its first call anyway): two
-    threads importing torch's modules at once could each meet the other's half-imported ones."""
+    runs Python. Inductor's cache module and triton are imported in the calling thread
+    (torch.compile imports them at its first call anyway): two threads importing torch's
+    modules at once could each meet the other's half-imported ones."""
     if not cfg.compile:
         return nothing_to_wait_for
-    from torch._inductor import codecache
-
-    keys = [getattr(codecache, name, None) for name in INDUCTOR_CACHE_KEYS]
+    keys = key_functions()  # imports inductor's cache module
     if all(hasattr(key, "prefetch") for key in keys):
         for key in keys:
             key.prefetch()
         return nothing_to_wait_for
-    thread = threading.Thread(target=inductor_cache_keys, name="inductor-cache-keys", daemon=True)
+    thread = threading.Thread(target=inductor_cache_keys, args=(keys,), name="inductor-cache-keys")
+    thread.daemon = True  # joined by the warm-up; a run that ends before it does not wait
     thread.start()
     return thread.join
