@@ -33,7 +33,7 @@ from trainer.data.resolution import LowResEpochs
 from trainer.distributed import Ranks
 from trainer.ema import NoAverage, WeightAverage, weight_average
 from trainer.models import build_model, check_low_res, initialize_from_data
-from trainer.optim import build_optimizer, build_scheduler, peak_lr, scaling_rule
+from trainer.optim import build_optimizer, build_scheduler, logged_peak_lr
 from trainer.preflight import no_cuda_device
 from trainer.timing import data_wait_timer
 
@@ -129,13 +129,10 @@ def assemble(cfg: TrainConfig, ranks: Ranks, device: torch.device) -> Parts:
     splits, train_loader, train_batches, test_batches, setup_data_s = build_data(cfg, ranks, device)
     raw_model, model, ddp_model, step_graph, meter, init_s = build_network(cfg, ranks, device, splits)
     global_batch = cfg.batch_size * ranks.world_size * cfg.grad_accum_steps
-    lr_peak = logged_peak_lr(cfg, global_batch)
-    compiler, share = perf.optimizer_compiler(cfg, device), perf.muon_share(cfg, ranks)
-    optimizer = build_optimizer(cfg.optim, raw_model, perf.optimizer_kwargs(cfg), lr_peak, compiler, share)
-    average = weight_average(cfg.ema, raw_model)
-    average_gradients, sync_buffers = averages_over_ranks(ranks, raw_model, ddp_model, average)
-    steps_per_epoch = math.ceil(len(train_loader) / cfg.grad_accum_steps)
-    total_steps = step_budget(cfg, steps_per_epoch)
+    lr_peak = logged_peak_lr(cfg.optim, global_batch)
+    optimizer = step_optimizer(cfg, ranks, device, raw_model, lr_peak)
+    average, average_gradients, sync_buffers = averages(cfg, ranks, raw_model, ddp_model)
+    steps_per_epoch, total_steps = step_budget(cfg, len(train_loader))
     return Parts(
         setup_data_s=setup_data_s,
         init_s=init_s,
@@ -266,27 +263,30 @@ def build_network(cfg: TrainConfig, ranks: Ranks, device: torch.device, splits: 
     return raw_model, model, wrapped[0] if wrapped else None, step_graph, meter, init_s
 
 
-def logged_peak_lr(cfg: TrainConfig, global_batch: int) -> float:
-    """optim.lr scaled to the global batch, said in the run's log."""
-    lr_peak = peak_lr(cfg.optim, global_batch)
-    rule, base = scaling_rule(cfg.optim).value, cfg.optim.lr_base_batch
-    message = "peak lr %.4g: optim.lr=%g for optim.lr_base_batch=%d, scaled (%s) to the global batch %d"
-    log.info(message, lr_peak, cfg.optim.lr, base, rule, global_batch)
-    return lr_peak
+def step_optimizer(
+    cfg: TrainConfig, ranks: Ranks, device: torch.device, raw_model: nn.Module, lr_peak: float
+) -> torch.optim.Optimizer:
+    """The optimizer at the peak lr, with what perf decides for it: fused kernels, the compile of
+    Muon's arithmetic, each rank's share of it."""
+    compiler, share = perf.optimizer_compiler(cfg, device), perf.muon_share(cfg, ranks)
+    return build_optimizer(cfg.optim, raw_model, perf.optimizer_kwargs(cfg), lr_peak, compiler, share)
 
 
-def averages_over_ranks(ranks: Ranks, raw_model: nn.Module, ddp_model, average) -> tuple[Callable, Callable]:
-    """(average the gradients, average the BatchNorm statistics) over the ranks: the gradients
-    by hand where no DistributedDataParallel does it (ddp_sync=after_backward), the statistics
-    wherever there are ranks; nothing in one process."""
+def averages(cfg: TrainConfig, ranks: Ranks, raw_model: nn.Module, ddp_model) -> tuple:
+    """(the weight average (ema), average the gradients, average the BatchNorm statistics) over
+    the ranks: the gradients by hand where no DistributedDataParallel does it
+    (ddp_sync=after_backward), the statistics wherever there are ranks; nothing in one process."""
+    average = weight_average(cfg.ema, raw_model)
     if ranks.world_size == 1:
-        return nothing, nothing
+        return average, nothing, nothing
     gradients = perf.GradientAverage(raw_model) if ddp_model is None else nothing
-    return gradients, perf.BufferAverage([raw_model, average.module])
+    return average, gradients, perf.BufferAverage([raw_model, average.module])
 
 
-def step_budget(cfg: TrainConfig, steps_per_epoch: int) -> int:
-    """The run's optimizer steps: every epoch's, or max_steps where that comes first."""
+def step_budget(cfg: TrainConfig, batches_per_epoch: int) -> tuple[int, int]:
+    """(optimizer steps per epoch, the run's optimizer steps: every epoch's, or max_steps where
+    that comes first)."""
+    steps_per_epoch = math.ceil(batches_per_epoch / cfg.grad_accum_steps)
     total_steps = cfg.epochs * steps_per_epoch
     if cfg.max_steps is not None:
         total_steps = min(total_steps, cfg.max_steps)
@@ -296,4 +296,4 @@ def step_budget(cfg: TrainConfig, steps_per_epoch: int) -> int:
             "optimizer steps: the average would never be updated and would be the random "
             "initialization. Lower ema.update_every, or set ema.enabled=false"
         )
-    return total_steps
+    return steps_per_epoch, total_steps

@@ -46,6 +46,15 @@ def scaling_rule(cfg: OptimConfig) -> LrScaling:
     return AUTO_SCALING[cfg.name] if cfg.lr_scaling is LrScaling.auto else cfg.lr_scaling
 
 
+def logged_peak_lr(cfg: OptimConfig, global_batch: int) -> float:
+    """optim.lr scaled to the global batch, said in the run's log."""
+    lr_peak = peak_lr(cfg, global_batch)
+    rule, base = scaling_rule(cfg).value, cfg.lr_base_batch
+    message = "peak lr %.4g: optim.lr=%g for optim.lr_base_batch=%d, scaled (%s) to the global batch %d"
+    log.info(message, lr_peak, cfg.lr, base, rule, global_batch)
+    return lr_peak
+
+
 def peak_lr(cfg: OptimConfig, global_batch: int) -> float:
     """optim.lr, given for optim.lr_base_batch images, scaled to this global batch."""
     ratio = global_batch / cfg.lr_base_batch
