@@ -23,9 +23,9 @@ INDUCTOR_CACHE_KEYS = ("torch_key", "triton_key")
 
 def key_functions() -> list[Callable[[], object]]:
     """The functions that work the keys out and keep them. torch 2.13 and later have both in
-    inductor's cache module; before, torch asks triton's own triton_key (kept by triton), and
-    the cache module has none of that name (torch 2.11: triton_key hashed inside the first
-    compile of a run forked from the preloaded server too, one H100)."""
+    inductor's cache module; before, torch asks triton's own triton_key (kept by triton's
+    lru_cache), and the cache module has none of that name: looking only there, a plain run on
+    torch 2.11 still hashed triton's library inside its first compile (profiled, one H100)."""
     from torch._inductor import codecache
 
     found = {name: getattr(codecache, name, None) for name in INDUCTOR_CACHE_KEYS}
