@@ -22,7 +22,6 @@ from types import ModuleType
 
 log = logging.getLogger(__name__)
 
-NOTHING = "they compiled nothing"
 _workers_serve_the_sweep = False  # this process runs a sweep's jobs (keep_compile_workers)
 
 
@@ -74,7 +73,10 @@ def stop_pool(async_compile: ModuleType, end_served: bool = False) -> None:
         if ordered_to_stop(pool, stopping):
             kill_with_workers(process.pid)
             if not served:
-                log.info("ended inductor's compile workers, still starting after the warm-up (%s)", NOTHING)
+                log.info(
+                    "ended inductor's compile workers, still starting after the warm-up "
+                    "(they compiled nothing)"
+                )
     stopping.join()
 
 
