@@ -596,3 +596,32 @@ def test_the_warm_up_waits_for_the_cache_keys_before_its_first_step(tmp_path, mo
     monkeypatch.setattr(loop, "forward_backward", lambda *a, **k: order.append("step") or steps(*a, **k))
     loop.warm_up(trainer.parts, 0, trainer.evaluate)
     assert order[:2] == ["keys", "step"]
+
+
+def test_cuda_is_started_ahead_only_on_cuda_and_not_under_deterministic(monkeypatch):
+    from trainer.perf import cuda_start
+
+    started = []
+    monkeypatch.setattr(cuda_start, "start_cuda", lambda *arguments: started.append(arguments))
+    cfg = to_train_config(compose_config("amp=true"))
+    assert cuda_start.cuda_ahead(cfg, torch.device("cpu"), lambda: None) is cuda_start.nothing_to_wait_for
+    deterministic = to_train_config(compose_config("deterministic=true"))
+    assert (
+        cuda_start.cuda_ahead(deterministic, torch.device("cuda"), lambda: None)
+        is cuda_start.nothing_to_wait_for
+    )
+    assert started == []
+    cuda_start.cuda_ahead(cfg, torch.device("cuda", 1), lambda: torch.bfloat16)()  # joined: it ran
+    ((device, dtype, layout),) = started
+    assert (
+        device == torch.device("cuda", 1) and dtype() is torch.bfloat16 and layout is perf.memory_format(cfg)
+    )
+
+
+def test_the_assembly_waits_for_cuda_s_start_before_it_hands_its_parts_on(tmp_path, monkeypatch):
+    order = []
+    monkeypatch.setattr(perf, "cuda_ahead", lambda cfg, device, dtype: lambda: order.append("cuda started"))
+    steps = perf.step_graph_acts
+    monkeypatch.setattr(perf, "step_graph_acts", lambda *a: order.append("model") or steps(*a))
+    trainer = built(tmp_path, "data.train_size=64", "data.test_size=32", "batch_size=32")
+    assert order == ["model", "cuda started"] and trainer.parts is not None

@@ -66,9 +66,8 @@ class Parts:
     model: nn.Module
     ddp_model: nn.parallel.DistributedDataParallel | None
     no_sync: ContextFactory  # around the micro-batches whose gradients are not all-reduced yet
-    average_gradients: Callable[
-        [], None
-    ]  # after the backward that ends an optimizer step (ddp_sync=after_backward)
+    # after the backward that ends an optimizer step (ddp_sync=after_backward)
+    average_gradients: Callable[[], None]
     # forward, backward and average_gradients of the micro-batch that ends an optimizer step as
     # one CUDA graph replay (step_graph=true), or None: the loop runs them one by one
     step_graph: perf.StepGraph | None
@@ -125,6 +124,7 @@ def assemble(cfg: TrainConfig, ranks: Ranks, device: torch.device) -> Parts:
     weights are drawn after the seeds, as every run of this config draws them)."""
     checkpoint.seed_rngs(cfg.seed)
     perf.apply_backend_flags(cfg, device)
+    cuda_ready = perf.cuda_ahead(cfg, device, lambda: perf.amp_dtype(cfg, device))
     cache_keys_ready = perf.cache_keys_ahead(cfg)  # worked out beside the data's set-up
     splits, train_loader, train_batches, test_batches, setup_data_s = build_data(cfg, ranks, device)
     raw_model, model, ddp_model, step_graph, meter, init_s = build_network(cfg, ranks, device, splits)
@@ -133,6 +133,7 @@ def assemble(cfg: TrainConfig, ranks: Ranks, device: torch.device) -> Parts:
     optimizer = step_optimizer(cfg, ranks, device, raw_model, lr_peak)
     average, average_gradients, sync_buffers = averages(cfg, ranks, raw_model, ddp_model)
     steps_per_epoch, total_steps = step_budget(cfg, len(train_loader))
+    cuda_ready()
     return Parts(
         setup_data_s=setup_data_s,
         init_s=init_s,
@@ -175,18 +176,10 @@ def assemble(cfg: TrainConfig, ranks: Ranks, device: torch.device) -> Parts:
         mfu=meter,
         timer=data_wait_timer(cfg.measure_data_wait, device.type),
         synchronize=torch.cuda.synchronize if device.type == "cuda" else (lambda: None),
-        non_finite_advice=divergence_advice(cfg, device, lr_peak),
+        non_finite_advice=perf.non_finite_advice(cfg, device, lr_peak),
         profile=cfg.profile and ranks.is_main,
         tb_x_per_step=global_batch if cfg.tb_step is TbStep.images else 1,
         description=describe(cfg, splits),
-    )
-
-
-def divergence_advice(cfg: TrainConfig, device: torch.device, lr_peak: float) -> str:
-    """What to change when the loss runs away or the run does not learn."""
-    return (
-        f"lower optim.lr (now {cfg.optim.lr}, a peak of {lr_peak:.4g} at this batch)"
-        f"{perf.non_finite_remedy(cfg, device)}"
     )
 
 

@@ -14,6 +14,7 @@ A new toggle is a field in trainer/config.py and a few lines in the file of its 
   model.py     channels_last, DataParallel, torch.compile: the model the step calls
   compile_workers.py  when torch.compile's compile-worker pool is stopped, and how
   compile_keys.py  torch's compile-cache keys worked out beside the set-up
+  cuda_start.py  CUDA, cuDNN and cuBLAS started in a thread beside the set-up's imports
   ddp.py       how ranks average gradients (ddp_sync): DistributedDataParallel and its ddp_*
                communication toggles, or all_reduce.py's one all-reduce after backward
   step_graph.py forward, backward and gradient average as one CUDA graph (step_graph)
@@ -44,6 +45,7 @@ from trainer.perf.backend import (
 from trainer.perf.compile_keys import cache_keys_ahead
 from trainer.perf.compile_workers import stop_compile_workers
 from trainer.perf.cpu_bf16 import cpu_bf16_slowdown
+from trainer.perf.cuda_start import cuda_ahead
 from trainer.perf.ddp import (
     DDP_TOGGLES,
     DDP_WRAPPER_TOGGLES,
@@ -87,6 +89,7 @@ __all__ = [
     "at_default",
     "autocast_context",
     "cache_keys_ahead",
+    "cuda_ahead",
     "evaluation_backend",
     "broadcast_module",
     "batch_mover",
@@ -104,7 +107,7 @@ __all__ = [
     "grad_scaler",
     "leave_stops_to_the_main_process",
     "memory_format",
-    "non_finite_remedy",
+    "non_finite_advice",
     "optimizer_compiler",
     "stop_compile_workers",
     "optimizer_kwargs",
@@ -152,14 +155,16 @@ def autocast_context(
     return functools.partial(torch.autocast, device_type=device.type, dtype=dtype)
 
 
-def non_finite_remedy(cfg: TrainConfig, device: torch.device) -> str:
-    """What else to try, after a lower learning rate, when the loss stops being finite."""
+def non_finite_advice(cfg: TrainConfig, device: torch.device, lr_peak: float) -> str:
+    """What to change when the loss runs away or the run does not learn: a lower learning rate,
+    then the precision."""
+    advice = f"lower optim.lr (now {cfg.optim.lr}, a peak of {lr_peak:.4g} at this batch)"
     dtype = amp_dtype(cfg, device)
     if dtype is None:
-        return ""
+        return advice
     if dtype == torch.float16:
-        return ", or use amp_dtype=bf16 / amp=false"
-    return ", or set amp=false"
+        return f"{advice}, or use amp_dtype=bf16 / amp=false"
+    return f"{advice}, or set amp=false"
 
 
 def grad_scaler(cfg: TrainConfig, device: torch.device) -> torch.amp.GradScaler:
