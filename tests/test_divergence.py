@@ -53,8 +53,15 @@ def test_a_loss_that_grows_a_hundredfold_stops_the_run():
 
 def test_a_run_at_chance_after_its_epochs_is_marked_diverged(tmp_path, caplog):
     caplog.set_level(logging.ERROR)
-    # 3 epochs of 34 steps: long enough to be judged (CHANCE_STEPS)
-    overrides = ("model=cnn", "optim.lr=0", "epochs=3", "data.train_size=1088", "data.test_size=64")
+    # 3 epochs of 34 steps: long enough to be judged (CHANCE_STEPS); 16 images a step keep it short
+    overrides = (
+        "model=cnn",
+        "optim.lr=0",
+        "epochs=3",
+        "data.train_size=544",
+        "batch_size=16",
+        "data.test_size=64",
+    )
     metrics = Trainer(compose_config(*overrides), tmp_path / "run").fit()
     assert metrics["status"] == "diverged"
     assert (
@@ -72,9 +79,9 @@ def test_a_diverged_run_exits_non_zero(tmp_path):
         "data=synthetic",
         "optim.lr=0",
         "epochs=3",
-        "data.train_size=1088",
+        "data.train_size=544",
         "data.test_size=64",
-        "batch_size=32",
+        "batch_size=16",  # 3 epochs of 34 steps, long enough to be judged
         cwd=tmp_path,
     )
     assert result.returncode == 1, result.stdout + result.stderr
@@ -83,7 +90,7 @@ def test_a_diverged_run_exits_non_zero(tmp_path):
 
 
 def test_a_run_that_learns_is_completed(tmp_path):
-    overrides = ("epochs=4", "data.train_size=2048", "batch_size=64", "optim.lr=0.05", "data.test_size=64")
+    overrides = ("epochs=4", "data.train_size=1024", "batch_size=32", "optim.lr=0.05", "data.test_size=64")
     metrics = Trainer(compose_config(*overrides), tmp_path / "run").fit()
     assert metrics["steps"] >= 100
     assert metrics["status"] == "completed" and "error" not in metrics
