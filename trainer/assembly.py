@@ -124,13 +124,11 @@ def assemble(cfg: TrainConfig, ranks: Ranks, device: torch.device) -> Parts:
     weights are drawn after the seeds, as every run of this config draws them)."""
     checkpoint.seed_rngs(cfg.seed)
     perf.apply_backend_flags(cfg, device)
-    cuda_ready = perf.cuda_ahead(cfg, device, lambda: perf.amp_dtype(cfg, device))
-    cache_keys_ready = perf.cache_keys_ahead(cfg)  # worked out beside the data's set-up
+    cuda_ready, cache_keys_ready = perf.begin_ahead(cfg, device)  # beside the data's set-up
     splits, train_loader, train_batches, test_batches, setup_data_s = build_data(cfg, ranks, device)
     raw_model, model, ddp_model, step_graph, meter, init_s = build_network(cfg, ranks, device, splits)
     global_batch = cfg.batch_size * ranks.world_size * cfg.grad_accum_steps
-    lr_peak = logged_peak_lr(cfg.optim, global_batch)
-    optimizer = step_optimizer(cfg, ranks, device, raw_model, lr_peak)
+    optimizer, lr_peak = step_optimizer(cfg, ranks, device, raw_model, global_batch)
     average, average_gradients, sync_buffers = averages(cfg, ranks, raw_model, ddp_model)
     steps_per_epoch, total_steps = step_budget(cfg, len(train_loader))
     cuda_ready()
@@ -257,12 +255,15 @@ def build_network(cfg: TrainConfig, ranks: Ranks, device: torch.device, splits: 
 
 
 def step_optimizer(
-    cfg: TrainConfig, ranks: Ranks, device: torch.device, raw_model: nn.Module, lr_peak: float
-) -> torch.optim.Optimizer:
-    """The optimizer at the peak lr, with what perf decides for it: fused kernels, the compile of
-    Muon's arithmetic, each rank's share of it."""
+    cfg: TrainConfig, ranks: Ranks, device: torch.device, raw_model: nn.Module, global_batch: int
+) -> tuple[torch.optim.Optimizer, float]:
+    """(the optimizer, its peak lr): optim.lr scaled to the global batch (said in the run's log),
+    with what perf decides for the optimizer: fused kernels, the compile of Muon's arithmetic,
+    each rank's share of it."""
+    lr_peak = logged_peak_lr(cfg.optim, global_batch)
     compiler, share = perf.optimizer_compiler(cfg, device), perf.muon_share(cfg, ranks)
-    return build_optimizer(cfg.optim, raw_model, perf.optimizer_kwargs(cfg), lr_peak, compiler, share)
+    optimizer = build_optimizer(cfg.optim, raw_model, perf.optimizer_kwargs(cfg), lr_peak, compiler, share)
+    return optimizer, lr_peak
 
 
 def averages(cfg: TrainConfig, ranks: Ranks, raw_model: nn.Module, ddp_model) -> tuple:

@@ -88,6 +88,7 @@ __all__ = [
     "apply_backend_flags",
     "at_default",
     "autocast_context",
+    "begin_ahead",
     "cache_keys_ahead",
     "cuda_ahead",
     "evaluation_backend",
@@ -144,6 +145,13 @@ def amp_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype | None:
         cannot_act("amp_dtype=fp16", "fp16 autocast on CPU is ~100x slower; using bf16")
         return torch.bfloat16
     return torch.bfloat16 if cfg.amp_dtype is AmpDtype.bf16 else torch.float16
+
+
+def begin_ahead(cfg: TrainConfig, device: torch.device) -> tuple[Callable[[], None], Callable[[], None]]:
+    """The work begun in threads beside the set-up, each with what waits for it: CUDA's start in
+    the run's precision (cuda_start.py; the assembly's end waits) and torch's compile-cache keys
+    (compile_keys.py; the warm-up waits, before its first compile)."""
+    return cuda_ahead(cfg, device, lambda: amp_dtype(cfg, device)), cache_keys_ahead(cfg)
 
 
 def autocast_context(

@@ -45,7 +45,7 @@ def inductor_cache_keys(keys: list[Callable[[], object]] | None = None) -> None:
 
 
 def nothing_to_wait_for() -> None:
-    """Where no thread of ours works the keys out."""
+    """Where no thread of ours works ahead (here, or CUDA's start in cuda_start.py)."""
 
 
 def cache_keys_ahead(cfg: TrainConfig) -> Callable[[], None]:

@@ -23,13 +23,10 @@ import torch
 import torch.nn.functional as F
 
 from trainer.config import TrainConfig
+from trainer.perf.compile_keys import nothing_to_wait_for
 from trainer.perf.model import memory_format
 
 log = logging.getLogger(__name__)
-
-
-def nothing_to_wait_for() -> None:
-    """Where no thread starts CUDA ahead."""
 
 
 def cuda_ahead(
