@@ -1,7 +1,9 @@
 """What reading data=imagefolder's decode cache costs in a fresh process, part by part: the
 class folders listed (torchvision's ImageFolder), the files' fingerprint (a stat of each), the
 cache read and its checksum, for the train and test splits, then the whole load again twice
-(the second and third time in one process).
+(the second and third time in one process); then once with the listing and fingerprint from
+the helper process a run begins beside its imports (trainer/data/sources/listing.py), here
+with nothing beside it: what the helper takes when nothing hides it.
 
     python scripts/decode_cache_read.py ~/cifar10     # after one run with data.decode_cache=true
 
@@ -42,6 +44,11 @@ def main() -> None:
         started = time.perf_counter()
         imagefolder.load_imagefolder(cfg, processes=2)
         print(f"total {time.perf_counter() - started:.3f} s")
+    started = time.perf_counter()
+    begun = imagefolder.begin_listing(cfg)
+    begun.result = timed("the helper's listing and fingerprint, waited for", begun.result)
+    imagefolder.load_imagefolder(cfg, processes=2, listing=begun)
+    print(f"total with the helper {time.perf_counter() - started:.3f} s")
 
 
 if __name__ == "__main__":

@@ -27,9 +27,10 @@ from torch import nn
 
 from trainer import checkpoint, evaluation, mfu, perf
 from trainer.config import ConfigError, DdpSync, FlipMode, LoaderKind, TbStep, TrainConfig
-from trainer.data import IMAGE_SIZE, Splits, gpu_loaders, load_source, torch_loaders
+from trainer.data import IMAGE_SIZE, Splits, begin_listing, gpu_loaders, load_source, torch_loaders
 from trainer.data.augment import CropFlip
 from trainer.data.resolution import LowResEpochs
+from trainer.data.sources import ListingAhead
 from trainer.distributed import Ranks
 from trainer.ema import NoAverage, WeightAverage, weight_average
 from trainer.models import build_model, check_low_res, initialize_from_data
@@ -120,12 +121,12 @@ def resolve_device(spec: str, ranks: Ranks, ddp: bool) -> torch.device:
 
 
 def assemble(cfg: TrainConfig, ranks: Ranks, device: torch.device) -> Parts:
-    """Seeds, backend flags, then data, model and step, in that order (the model's initial
-    weights are drawn after the seeds, as every run of this config draws them)."""
+    """Seeds and backend flags, then data, model and step (weights drawn after the seeds)."""
     checkpoint.seed_rngs(cfg.seed)
     perf.apply_backend_flags(cfg, device)
+    listing = begin_listing(cfg.data)  # the helper process first: it runs beside what follows
     cuda_ready, cache_keys_ready = perf.begin_ahead(cfg, device)  # beside the data's set-up
-    splits, train_loader, train_batches, test_batches, setup_data_s = build_data(cfg, ranks, device)
+    splits, train_loader, train_batches, test_batches, setup_data_s = build_data(cfg, ranks, device, listing)
     raw_model, model, ddp_model, step_graph, meter, init_s = build_network(cfg, ranks, device, splits)
     global_batch = cfg.batch_size * ranks.world_size * cfg.grad_accum_steps
     optimizer, lr_peak = step_optimizer(cfg, ranks, device, raw_model, global_batch)
@@ -189,14 +190,16 @@ def describe(cfg: TrainConfig, splits: Splits) -> str:
     )
 
 
-def build_data(cfg: TrainConfig, ranks: Ranks, device: torch.device) -> tuple:
+def build_data(
+    cfg: TrainConfig, ranks: Ranks, device: torch.device, listing: ListingAhead | None = None
+) -> tuple:
     """(splits, train loader, train batches, test batches, seconds): the images decoded or read
-    once, this rank's loaders over them, their batches as the device takes them, and the
-    seconds all this took (metrics.json's setup_data_s)."""
+    once (the files as `listing` found them, where begun), this rank's loaders over them, their
+    batches as the device takes them, and the seconds all this took (metrics.json's setup_data_s)."""
     started = time.perf_counter()
     processes_per_host = int(os.environ.get("LOCAL_WORLD_SIZE", ranks.world_size))
     decoders = max(1, len(os.sched_getaffinity(0)) // processes_per_host)
-    splits = load_source(cfg.data, cfg.seed, processes=decoders)
+    splits = load_source(cfg.data, cfg.seed, processes=decoders, listing=listing)
     common = dict(
         augment=cfg.data.augment,
         batch_size=cfg.batch_size,

@@ -23,6 +23,7 @@ from trainer.data.sources import (
     DatasetNotFoundError,
     ImageSplit,
     Splits,
+    begin_listing,
     load_source,
     synthetic_split,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "ImageSplit",
     "Normalizer",
     "Splits",
+    "begin_listing",
     "crop_and_flip",
     "gpu_loaders",
     "load_source",

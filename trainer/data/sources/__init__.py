@@ -16,7 +16,8 @@ from __future__ import annotations
 from trainer.config import DataConfig, DataSource
 from trainer.data.sources.cifar10 import load_cifar10
 from trainer.data.sources.decode_cache import CACHE_FOLDER, read_cache, write_cache
-from trainer.data.sources.imagefolder import decode_image, load_imagefolder
+from trainer.data.sources.imagefolder import begin_listing, decode_image, load_imagefolder
+from trainer.data.sources.listing import ListingAhead
 from trainer.data.sources.splits import CorruptImageError, DatasetNotFoundError, ImageSplit, Splits
 from trainer.data.sources.synthetic import load_synthetic, synthetic_split
 
@@ -25,7 +26,9 @@ __all__ = [
     "CorruptImageError",
     "DatasetNotFoundError",
     "ImageSplit",
+    "ListingAhead",
     "Splits",
+    "begin_listing",
     "decode_image",
     "load_cifar10",
     "load_imagefolder",
@@ -37,10 +40,13 @@ __all__ = [
 ]
 
 
-def load_source(cfg: DataConfig, seed: int, processes: int = 1) -> Splits:
-    """processes: how many may decode image files at once."""
+def load_source(
+    cfg: DataConfig, seed: int, processes: int = 1, listing: ListingAhead | None = None
+) -> Splits:
+    """processes: how many may decode image files at once; listing: begin_listing(cfg)'s, begun
+    beside what ran since (data=imagefolder)."""
     if cfg.source is DataSource.cifar10:
         return load_cifar10(cfg)
     if cfg.source is DataSource.imagefolder:
-        return load_imagefolder(cfg, processes)
+        return load_imagefolder(cfg, processes, listing)
     return load_synthetic(cfg, seed)

@@ -7,7 +7,6 @@ Must not touch: the cache file's format (trainer/data/sources/decode_cache.py), 
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import sys
@@ -21,9 +20,10 @@ import torch
 from PIL import Image
 from tqdm import tqdm
 
-from trainer.config import DataConfig, DecodeMode
+from trainer.config import DataConfig, DataSource, DecodeMode
 from trainer.data.augment import IMAGE_SIZE
 from trainer.data.sources.decode_cache import CACHE_FOLDER, CACHE_SUFFIX, read_cache, write_cache
+from trainer.data.sources.listing import ListingAhead, fingerprint
 from trainer.data.sources.splits import CorruptImageError, DatasetNotFoundError, ImageSplit, Splits
 from trainer.preflight import imagefolder_missing
 
@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 
 MEMORY_SHARE = 0.25  # decode=auto holds decoded images in memory up to this share of what is free
 DECODE_CHUNK = 512  # images per decoding task
+SPLITS = ("train", "test")
 
 
 def decode_image(path: str) -> np.ndarray:
@@ -86,30 +87,25 @@ def available_memory_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def fingerprint(folder: Path, samples: list[tuple[str, int]]) -> str:
-    """Changes when any file is added, removed, renamed, relabelled, resized or touched."""
-    digest = hashlib.sha1(f"{IMAGE_SIZE}".encode())
-    prefix = os.path.join(folder, "")  # ImageFolder's paths start with it: cut, not os.path.relpath
-    for path, label in samples:
-        stat = os.stat(path)
-        name = path[len(prefix) :] if path.startswith(prefix) else os.path.relpath(path, folder)
-        digest.update(f"{name}\t{label}\t{stat.st_size}\t{stat.st_mtime_ns}\n".encode())
-    return digest.hexdigest()[:16]
-
-
 def load_image_split(
-    folder: Path, samples: list[tuple[str, int]], cfg: DataConfig, in_memory: bool, processes: int
+    folder: Path,
+    samples: list[tuple[str, int]],
+    cfg: DataConfig,
+    in_memory: bool,
+    processes: int,
+    known_fingerprint: str | None = None,
 ) -> ImageSplit:
     files = [path for path, _ in samples]
     labels = torch.tensor([label for _, label in samples], dtype=torch.int64)
     if not in_memory:
         return ImageSplit(labels, files=files)
     started = time.perf_counter()
-    cache = folder.parent / CACHE_FOLDER / f"{folder.name}-{fingerprint(folder, samples)}{CACHE_SUFFIX}"
+    found = known_fingerprint or fingerprint(str(folder), samples, IMAGE_SIZE)
+    cache = folder.parent / CACHE_FOLDER / f"{folder.name}-{found}{CACHE_SUFFIX}"
     shape = (len(labels), 3, IMAGE_SIZE, IMAGE_SIZE)
     images = read_cache(cache, shape) if cfg.decode_cache else None
     if images is not None:
-        seconds = time.perf_counter() - started  # the files' fingerprint, the read and its checksum
+        seconds = time.perf_counter() - started  # the read, its checksum, a fingerprint not begun ahead
         log.info("read %d decoded images of %s from %s in %.2f s", len(images), folder, cache, seconds)
         return ImageSplit(labels, images, files)
     started = time.perf_counter()
@@ -126,22 +122,25 @@ def load_image_split(
     return ImageSplit(labels, images, files)
 
 
-def load_imagefolder(cfg: DataConfig, processes: int) -> Splits:
-    from torchvision import datasets  # imported where used: see load_cifar10
+def begin_listing(cfg: DataConfig) -> ListingAhead | None:
+    """data=imagefolder: the splits' listing and fingerprints begun in a helper process
+    (listing.py), to run beside the imports of the set-up; None for other sources."""
+    if cfg.source is not DataSource.imagefolder:
+        return None
+    root = str(Path(os.path.expanduser(cfg.root)))
+    return ListingAhead(root, SPLITS, IMAGE_SIZE if cfg.decode_cache else None)
 
+
+def load_imagefolder(cfg: DataConfig, processes: int, listing: ListingAhead | None = None) -> Splits:
     root = Path(os.path.expanduser(cfg.root))
-    found = {}
-    for split in ("train", "test"):
-        folder = root / split
-        try:
-            found[split] = datasets.ImageFolder(folder)
-        except (FileNotFoundError, OSError) as error:
-            raise DatasetNotFoundError(imagefolder_missing(folder, str(error).splitlines()[0])) from None
-    if found["train"].classes != found["test"].classes:
+    found = listing.result() if listing is not None else {}
+    if set(found) != set(SPLITS):  # the helper could not answer: ImageFolder lists, or says why not
+        found = {split: list_with_imagefolder(root / split) for split in SPLITS}
+    if found["train"]["classes"] != found["test"]["classes"]:
         raise DatasetNotFoundError(
             f"{root}/train and {root}/test hold different class folders: make them match"
         )
-    count = sum(len(dataset) for dataset in found.values())
+    count = sum(len(split["samples"]) for split in found.values())
     decoded_bytes = count * 3 * IMAGE_SIZE * IMAGE_SIZE
     if cfg.decode is DecodeMode.auto:
         in_memory = decoded_bytes <= MEMORY_SHARE * available_memory_bytes()
@@ -156,7 +155,20 @@ def load_imagefolder(cfg: DataConfig, processes: int) -> Splits:
     else:
         in_memory = cfg.decode is DecodeMode.once
     train, test = (
-        load_image_split(root / split, found[split].samples, cfg, in_memory, processes)
-        for split in ("train", "test")
+        load_image_split(
+            root / split, found[split]["samples"], cfg, in_memory, processes, found[split]["fingerprint"]
+        )
+        for split in SPLITS
     )
-    return Splits(train, test, found["train"].classes)
+    return Splits(train, test, found["train"]["classes"])
+
+
+def list_with_imagefolder(folder: Path) -> dict:
+    """As listing.py answers for one split (no fingerprint), from torchvision's ImageFolder."""
+    from torchvision import datasets  # imported where used: see load_cifar10
+
+    try:
+        dataset = datasets.ImageFolder(folder)
+    except (FileNotFoundError, OSError) as error:
+        raise DatasetNotFoundError(imagefolder_missing(folder, str(error).splitlines()[0])) from None
+    return {"classes": dataset.classes, "samples": dataset.samples, "fingerprint": None}
