@@ -20,7 +20,7 @@ from torchvision import datasets
 
 import trainer.data.sources.decode_cache as decode_cache
 import trainer.data.sources.imagefolder as imagefolder
-from trainer.config import DataConfig
+from trainer.config import DataConfig, DataSource
 
 
 def timed(name, function):
@@ -39,7 +39,7 @@ def main() -> None:
     imagefolder.read_cache = timed("read_cache (read and checksum)", imagefolder.read_cache)
     decode_cache.pixel_checksum = timed("  of it the checksum", decode_cache.pixel_checksum)
     datasets.ImageFolder = timed("ImageFolder", datasets.ImageFolder)
-    cfg = DataConfig(source="imagefolder", root=str(root), decode_cache=True)
+    cfg = DataConfig(source=DataSource.imagefolder, root=str(root), decode_cache=True)
     for _ in range(3):
         started = time.perf_counter()
         imagefolder.load_imagefolder(cfg, processes=2)
