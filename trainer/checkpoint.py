@@ -10,7 +10,6 @@ or restore (trainer/run.py), the parts whose states it holds.
 
 from __future__ import annotations
 
-import io
 import logging
 import os
 import random
@@ -20,6 +19,7 @@ from pathlib import Path
 
 from trainer.atomic import NotWritten, remove_leftovers, write_atomic
 from trainer.config import ConfigError, TrainerError
+from trainer.serialize import serialized
 
 log = logging.getLogger(__name__)
 
@@ -30,16 +30,6 @@ CONTENTS = ("model", "optimizer", "scheduler", "scaler", "progress", "rng", "con
 
 # A checkpoint that could not be written (full disk, file-size limit): one line, the old one kept.
 CheckpointNotWritten = NotWritten
-
-
-def serialized(obj: object) -> memoryview:
-    """torch.save's bytes, made in memory: torch's own file writer reports a full disk or a
-    file-size limit only as "enforce fail at inline_container.cc", a plain write says which it was."""
-    import torch
-
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return buffer.getbuffer()
 
 
 class Saver:
