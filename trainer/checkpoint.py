@@ -19,7 +19,7 @@ from pathlib import Path
 
 from trainer.atomic import NotWritten, remove_leftovers, write_atomic
 from trainer.config import ConfigError, TrainerError
-from trainer.serialize import serialized
+from trainer.serialize import CheckpointBuffer
 
 log = logging.getLogger(__name__)
 
@@ -43,12 +43,13 @@ class Saver:
 
     def __init__(self) -> None:
         self._pending: Future | None = None
+        self._buffer = CheckpointBuffer()  # written over by each save, once the last write is done
 
     def save(self, path: Path, stateful: dict, **extra) -> None:
         """state_of(stateful, extra) into `path`, atomically (trainer.atomic), once this returns
         and `wait` has."""
         self.wait()
-        data = serialized(state_of(stateful, extra))
+        data = self._buffer.serialized(state_of(stateful, extra))
         writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
         self._pending = writer.submit(write_atomic, path, data, "the checkpoint")
         writer.shutdown(wait=False)  # its thread ends once the write has
