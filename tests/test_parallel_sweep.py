@@ -360,6 +360,17 @@ def test_the_parents_gpu_count_reads_cuda_visible_devices_as_cuda_does():
     assert cuda_visible(1, "GPU-8a1e,GPU-77c0") == 1  # names count as listed, never past the GPUs
 
 
+@pytest.mark.parametrize("driver", [False, True], ids=["cpu-host", "gpu-host"])
+def test_the_workers_server_preloads_inductor_only_where_a_gpu_could_be(monkeypatch, driver):
+    from trainer import forkserver
+
+    asked = []
+    monkeypatch.setattr(parallel_jobs, "nvidia_driver_here", lambda: driver)
+    monkeypatch.setattr(forkserver, "start_method", lambda compiles=True: asked.append(compiles) or "spawn")
+    parallel_jobs.workers_from_forkserver()
+    assert asked == [driver]
+
+
 def test_the_parent_counts_gpus_without_importing_torch():
     """The resolver runs in the sweep's parent before any job: it leaves torch unimported."""
     code = (

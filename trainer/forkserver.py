@@ -153,13 +153,13 @@ def forked_server(executable: str, args: list[str], passfds: list[int]) -> int:
         os._exit(1)
 
 
-def start_method() -> str:
+def start_method(compiles: bool = True) -> str:
     """How to start processes that may be forked from the server: "forkserver", with the server
-    started now (its imports then overlap what the caller does before the first process), or
-    "spawn" where the platform has none."""
+    started now (its imports then overlap what the caller does before the first process;
+    `compiles` as for `start`), or "spawn" where the platform has none."""
     if not available():
         return "spawn"
-    start()
+    start(compiles)
     return "forkserver"
 
 

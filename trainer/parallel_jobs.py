@@ -53,10 +53,15 @@ _host_gpus: list[str] | None = None
 _worker_order: list[str] | None = None
 
 
+def nvidia_driver_here() -> bool:
+    """Whether a GPU could be here: an NVIDIA driver loaded, or CUDA_VISIBLE_DEVICES set."""
+    return Path("/proc/driver/nvidia").exists() or "CUDA_VISIBLE_DEVICES" in os.environ
+
+
 def visible_gpus() -> int:
     """The GPUs a job here could use, counted without starting CUDA (torch only where an NVIDIA
     driver is loaded, so that a CPU host's sweep does not wait for torch to import)."""
-    if not Path("/proc/driver/nvidia").exists() and "CUDA_VISIBLE_DEVICES" not in os.environ:
+    if not nvidia_driver_here():
         return 0
     import torch
 
@@ -114,10 +119,12 @@ def workers_from_forkserver() -> None:
     CPU a worker's first job then began 0.4 s after its fork instead of 2.7 s after its start
     (README, "Sweeps on every GPU"). loky takes any of multiprocessing's start methods; the
     thread limits joblib would set in a loky worker's environment are each job's own here
-    (`job_resources`)."""
+    (`job_resources`). Inductor is preloaded only where a GPU could be: the jobs' settings are
+    not composed yet, and on a 2-core CPU its preload cost 1.4 s of CPU beside the sweep's start,
+    for CPU jobs that seldom compile (a job that does imports it itself, as a single run does)."""
     from trainer import forkserver
 
-    if forkserver.start_method() == "forkserver":  # the server first: joblib's import can wait
+    if forkserver.start_method(compiles=nvidia_driver_here()) == "forkserver":  # joblib's import can wait
         from joblib.externals.loky.backend.context import set_start_method
 
         set_start_method("forkserver", force=True)
