@@ -5,12 +5,14 @@ the assembly begins it and the run reads the data through it."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
+import time
 
 import numpy as np
 import pytest
-from conftest import compose_config
+from conftest import compose_config, ended, ends_soon
 from PIL import Image
 from torchvision import datasets
 
@@ -114,6 +116,23 @@ def test_a_helper_that_fails_leaves_the_listing_to_imagefolder(corners, monkeypa
     begun = begin_listing(cfg)
     assert begun.result() == {}
     assert load_source(cfg, seed=0, listing=begun).classes == ["Cat", "bird", "dog", "elsewhere"]
+
+
+def test_a_listing_never_asked_for_leaves_no_helper(tmp_path):
+    """A set-up that fails before the data drops its listing: the helper, blocked on an answer
+    larger than the pipe holds, is ended, not left behind."""
+    for split in ("train", "test"):
+        folder = tmp_path / split / "class"
+        folder.mkdir(parents=True)
+        for index in range(2000):  # some 150 kB of answer
+            (folder / f"image-with-a-long-name-{index:05d}.png").touch()
+    begun = listing.ListingAhead(str(tmp_path), ("train", "test"), None)
+    pid = begun.process.pid
+    time.sleep(0.5)
+    assert not ended(pid)  # blocked on its answer
+    del begun
+    gc.collect()
+    assert ends_soon(pid)
 
 
 def test_other_sources_begin_no_helper():

@@ -96,12 +96,21 @@ class ListingAhead:
         if self.process is None:
             return {}
         output, _ = self.process.communicate()
-        if self.process.returncode != 0:
+        process, self.process = self.process, None
+        if process.returncode != 0:
             return {}
         return {
             split: {**found, "samples": [tuple(sample) for sample in found["samples"]]}
             for split, found in json.loads(output).items()
         }
+
+    def __del__(self) -> None:
+        """Never asked for (a set-up that failed before the data): the helper is not left behind,
+        blocked on a pipe nobody reads."""
+        process = getattr(self, "process", None)
+        if process is not None and process.poll() is None:
+            process.kill()
+            process.wait()
 
 
 if __name__ == "__main__":
