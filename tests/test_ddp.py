@@ -25,7 +25,7 @@ from conftest import (
 )
 from PIL import Image
 
-from trainer import Trainer, forkserver
+from trainer import Trainer
 from trainer.config import ConfigError, to_train_config
 from trainer.distributed import LaunchStopped
 from trainer.progress import Progress
@@ -127,29 +127,14 @@ def test_ranks_see_the_launchers_environment_of_now_and_their_own_rank(monkeypat
 
 @pytest.mark.parametrize("compiles", [False, True])
 def test_the_ranks_server_preloads_inductor_only_for_a_run_that_compiles(monkeypatch, compiles):
-    from trainer import distributed
+    from trainer import distributed, forkserver
 
     started = []
-    monkeypatch.setattr(forkserver, "start", lambda **kwargs: started.append(kwargs))
+    monkeypatch.setattr(forkserver, "start", lambda compiles: started.append(compiles))
     monkeypatch.setattr(distributed, "launch", lambda *args, **kwargs: "launched")
     cfg = to_train_config(compose_config(*SMALL, "ddp=true", "devices=2", f"compile={str(compiles).lower()}"))
     assert distributed.launch_ranks(cfg, "cpu", rank_environment, (), log_dir=Path(".")) == "launched"
-    expected = {"compiles": compiles, "import_here": True}  # the launcher's server forked from it
-    assert started == ([expected] if forkserver.available() else [])
-
-
-@pytest.mark.parametrize("driver", [False, True], ids=["cpu-host", "gpu-host"])
-def test_the_launcher_imports_the_servers_preload_itself_only_where_no_nvidia_driver_is(monkeypatch, driver):
-    """Then the server is forked from the launcher; where a driver is, the launcher may have
-    started it, and the server is a new interpreter as before."""
-    imported = []
-    monkeypatch.setattr(forkserver, "nvidia_driver_here", lambda: driver)
-    monkeypatch.setattr(forkserver, "running", lambda: False)
-    monkeypatch.setattr(forkserver.importlib, "import_module", imported.append)
-    monkeypatch.setattr(forkserver.multiprocessing.forkserver, "ensure_running", lambda: None)
-    monkeypatch.setattr(forkserver, "holds_the_preload", lambda: False)
-    forkserver.start(compiles=False, import_here=True)
-    assert imported == ([] if driver else list(forkserver.PRELOAD))
+    assert started == ([compiles] if forkserver.available() else [])
 
 
 def test_accumulation_skips_the_all_reduce_between_boundaries(tmp_path):
@@ -359,21 +344,10 @@ def children(pid: int) -> list[tuple[int, bytes]]:
     return found
 
 
-def ranks_servers(launcher_pid: int) -> list[tuple[int, bytes]]:
-    """(pid, command line) of the launcher's forkserver: forked from the launcher (its command
-    line), or a new interpreter running multiprocessing's server."""
-    own = Path(f"/proc/{launcher_pid}/cmdline").read_bytes()
-    return [
-        (pid, command)
-        for pid, command in children(launcher_pid)
-        if b"forkserver" in command or command == own
-    ]
-
-
 def launched_ranks(launcher_pid: int) -> list[int]:
     """The processes that run a rank, in pid order: the children of the launcher's forkserver
     (or, where the platform has none, the launcher's spawned children; not its other helpers)."""
-    servers = [pid for pid, _ in ranks_servers(launcher_pid)]
+    servers = [pid for pid, command in children(launcher_pid) if b"forkserver" in command]
     if servers:
         return sorted(pid for server in servers for pid, _ in children(server))
     return sorted(pid for pid, command in children(launcher_pid) if b"spawn_main" in command)
@@ -387,12 +361,6 @@ def test_a_killed_rank_restarts_the_group_from_the_last_checkpoint(tmp_path, uni
     launcher = start_and_wait_for_epoch_one([*THREE_EPOCHS, "ddp_max_restarts=1"], run_dir)
     victims = launched_ranks(launcher.pid)
     assert len(victims) == 2
-    if (
-        forkserver.available() and not forkserver.nvidia_driver_here()
-    ):  # the ranks' server: a fork of the launcher
-        assert [command for _, command in ranks_servers(launcher.pid)] == [
-            Path(f"/proc/{launcher.pid}/cmdline").read_bytes()
-        ]
     os.kill(victims[-1], signal.SIGKILL)
     output = launcher.communicate(timeout=HANG_GUARD_S)[0].decode()
     assert launcher.returncode == 0, output[-3000:]

@@ -264,10 +264,7 @@ def launch_ranks(cfg: TrainConfig, device_type: str, target: Callable, args: tup
     world_size = world_size_for(cfg, device_type)
     log.info("ddp: launching %d processes (%s)", world_size, device_type)
     if forkserver.available():  # started for launch(): inductor preloaded only where the ranks compile
-        # This process holds torch and the trainer already: importing the rest of the preload
-        # here and forking the server cost less than a new interpreter importing it all (a
-        # 2-process CPU run: 4.8-5.0 s against 6.1-6.7 s on a 2-core host); not on a GPU host.
-        forkserver.start(compiles=cfg.compile, import_here=True)
+        forkserver.start(compiles=cfg.compile)
     return launch(world_size, target, args, cfg.ddp_max_restarts, log_dir=log_dir)
 
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import importlib
 import multiprocessing
 import multiprocessing.forkserver
 import multiprocessing.resource_tracker
@@ -38,7 +37,6 @@ import os
 import signal
 import sys
 import threading
-from pathlib import Path
 
 PRELOAD = (
     "trainer.__main__",
@@ -98,22 +96,11 @@ def stop() -> None:
     server._stop()
 
 
-def nvidia_driver_here() -> bool:
-    """Whether a GPU could be here: an NVIDIA driver loaded, or CUDA_VISIBLE_DEVICES set."""
-    return Path("/proc/driver/nvidia").exists() or "CUDA_VISIBLE_DEVICES" in os.environ
-
-
-def start(compiles: bool = True, import_here: bool = False) -> None:
+def start(compiles: bool = True) -> None:
     """The server started now, if it is not running yet; it imports its preload in its own
     process while this one goes on, or, where this process holds that preload already (a command
-    forked from `python -m trainer.serve`), it is forked from this one with it. `import_here`:
-    this process imports what it lacks of the preload first, so that the server is forked, where
-    no NVIDIA driver is loaded. Where one is, this process may have started it (torch asks it
-    how many GPUs there are), and a process forked after that could not use CUDA."""
+    forked from `python -m trainer.serve`), it is forked from this one with it."""
     forkserver(compiles)
-    if import_here and not running() and not nvidia_driver_here():
-        for name in multiprocessing.forkserver._forkserver._preload_modules:
-            importlib.import_module(name)
     if running() or not holds_the_preload():
         multiprocessing.forkserver.ensure_running()
         return

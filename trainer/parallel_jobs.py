@@ -42,8 +42,6 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from trainer.forkserver import nvidia_driver_here
-
 LAUNCHER_TARGET = "hydra_plugins.hydra_joblib_launcher.joblib_launcher.JoblibLauncher"
 SLOT_WAIT_S = 0.5
 # The GPU this worker's last job ran on. Its next job asks for that one first: the worker's CUDA
@@ -53,6 +51,11 @@ _last_gpu: int | None = None
 # the order this worker's CUDA sees them in: its first job's GPU first (`cuda_index`).
 _host_gpus: list[str] | None = None
 _worker_order: list[str] | None = None
+
+
+def nvidia_driver_here() -> bool:
+    """Whether a GPU could be here: an NVIDIA driver loaded, or CUDA_VISIBLE_DEVICES set."""
+    return Path("/proc/driver/nvidia").exists() or "CUDA_VISIBLE_DEVICES" in os.environ
 
 
 def visible_gpus() -> int:
