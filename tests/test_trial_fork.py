@@ -149,6 +149,34 @@ def test_the_server_preloads_inductor_for_processes_that_compile_and_not_torchvi
     assert loaded_modules(True, tmp_path / "modules") == loaded
 
 
+def test_no_server_is_forked_from_a_process_that_asked_cuda_anything():
+    """torch marks every process forked after `torch.cuda.is_available()`, even on a host without
+    a GPU (a run asks it when it picks its device): a server forked from such a process would
+    hand the mark to every trial and rank. A fresh interpreter, so that this worker's past does
+    not count."""
+    code = (
+        "import torch; from trainer import forkserver; before = forkserver.forks_unmarked(); "
+        "torch.cuda.is_available(); print(before, forkserver.forks_unmarked(), torch.cuda.is_initialized())"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        env=cli_environment(),
+        capture_output=True,
+        text=True,
+        timeout=HANG_GUARD_S,
+    )
+    assert result.stdout.split() == ["True", "False", "False"], result.stderr[-2000:]
+
+
+def test_a_process_whose_forks_torch_marks_does_not_hold_the_preload(monkeypatch):
+    monkeypatch.setattr(server.multiprocessing.forkserver._forkserver, "_preload_modules", ["os"])
+    monkeypatch.setattr(server.threading, "active_count", lambda: 1)
+    monkeypatch.setattr(server, "forks_unmarked", lambda: True)
+    assert server.holds_the_preload()
+    monkeypatch.setattr(server, "forks_unmarked", lambda: False)
+    assert not server.holds_the_preload()
+
+
 def test_a_server_for_processes_that_compile_nothing_leaves_inductor_out(tmp_path, fresh_server):
     """A DDP run with compile=false: its ranks' server does not import what they would not use.
     A caller that compiles, once that server runs, gets it as it is (its processes import

@@ -114,14 +114,39 @@ def start(compiles: bool = True) -> None:
 
 def holds_the_preload() -> bool:
     """Whether a server forked from this process would start with its preload imported and
-    could fork processes that start CUDA: every module of it imported, CUDA not started, and one
-    thread (a fork copies only the calling thread, and a lock another one held stays held)."""
+    could fork processes that start CUDA: every module of it imported, one thread (a fork copies
+    only the calling thread, and a lock another one held stays held), and a fork that torch does
+    not mark (`forks_unmarked`)."""
     preload = multiprocessing.forkserver._forkserver._preload_modules
     if not os.path.isdir("/proc/self/fd") or threading.active_count() != 1:
         return False  # /proc/self/fd: forked_server's way to its descriptors (Linux)
     if not all(name in sys.modules for name in preload):
         return False
-    return not sys.modules["torch"].cuda.is_initialized() if "torch" in sys.modules else True
+    return forks_unmarked() if "torch" in sys.modules else True
+
+
+def forks_unmarked() -> bool:
+    """Whether a process forked from this one now could use CUDA. torch marks every process
+    forked after this one asked CUDA anything, even `torch.cuda.is_available()` (which a run
+    asks when it picks its device) on a host without a GPU, while `torch.cuda.is_initialized()`
+    stays False; a process so marked refuses CUDA. Nothing in torch tells the parent, so a
+    child forked to look says (milliseconds)."""
+    import torch
+
+    if torch.cuda.is_initialized():
+        return False
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: one byte, then gone without running anything of the parent's
+        os.write(write_end, b"1" if torch.cuda._is_in_bad_fork() else b"0")
+        os._exit(0)
+    os.close(write_end)
+    try:
+        answer = os.read(read_end, 1)
+    finally:
+        os.close(read_end)
+        os.waitpid(pid, 0)
+    return answer == b"0"
 
 
 def forked_server(executable: str, args: list[str], passfds: list[int]) -> int:
