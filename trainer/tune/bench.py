@@ -196,7 +196,7 @@ class Bench:
 
     def trial(self, label: str, overrides: list[str]) -> dict:
         if self.to_fork_from:
-            self.start_forkserver()
+            self.ready_the_forkserver()
         self.trials += 1
         run_dir = self.out / "trials" / f"{self.trials:03d}"
         remaining = max(1.0, self.budget_s - (time.monotonic() - self.started))
@@ -210,7 +210,7 @@ class Bench:
         append_jsonl(self.out / "trials.jsonl", {**record, "process_s": round(trial.process_s, 1), **numbers})
         return numbers
 
-    def start_forkserver(self) -> None:
+    def ready_the_forkserver(self) -> None:
         """Forked trials: the forkserver started and its imports done before the first trial, so
         that neither that trial's time nor the budget holds them (4.6 s on the 2-core CPU host);
         a --resume whose trials are all on record starts none."""
