@@ -6,6 +6,7 @@ compile_s, train_time_s, eval_time_s and the job's wall_s.
 
     python scripts/bench_sweep_launchers.py --n-jobs 2 --repeats 3
     python scripts/bench_sweep_launchers.py --n-jobs 2 --repeats 2 --warm-up   # neither starts cold
+    python scripts/bench_sweep_launchers.py --n-jobs 2 --timeline   # and each job's phases in time
     python scripts/bench_sweep_launchers.py --n-jobs 2 -- model=fastcnn perf=fast recipe=fastcnn_94 \
         data=imagefolder data.root=~/cifar10 seed=0,1,2,3
 
@@ -98,6 +99,32 @@ def edge_medians(runs: list[dict]) -> list[str]:
     ]
 
 
+TIMELINE_PARTS = ("setup_s", "compile_s", "train_time_s", "eval_time_s")
+
+
+def timeline(name: str, run: dict) -> list[str]:
+    """One sweep's jobs as rows in the order they began: the overrides that tell it from the
+    sweep's other jobs, the device, when the job began and its set-up began (seconds after
+    Enter), how long each part took, what the job spent outside them (checkpoints, the record,
+    the process's start for a first job), and when its metrics.json was written."""
+    rows = [
+        f"\n{name}, its last sweep ({run['wall_s']:.2f} s):",
+        "",
+        "| job | device | began at | set-up at | set-up | compile | train | eval | other | written at |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    jobs = [job for job in run["jobs"] if all(isinstance(job.get(k), (int, float)) for k in EDGE_KEYS)]
+    shared = set.intersection(*(set(job.get("overrides") or []) for job in jobs)) if jobs else set()
+    for job in sorted(jobs, key=lambda job: job["written_at_s"] - job["wall_s"]):
+        began = job["written_at_s"] - job["wall_s"]
+        parts = [job.get(key) or 0.0 for key in TIMELINE_PARTS]
+        other = job["wall_s"] - job["startup_s"] - sum(parts)
+        overrides = " ".join(o for o in job.get("overrides") or [] if o not in shared) or "-"
+        cells = " | ".join(f"{value:.2f}" for value in (began, began + job["startup_s"], *parts, other))
+        rows.append(f"| {overrides} | {job.get('device')} | {cells} | {job['written_at_s']:.2f} |")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -109,6 +136,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="first one untimed sweep per launcher: torch's compile cache and Python's bytecode filled "
         "for both, so that neither launcher's first timed sweep pays them",
+    )
+    parser.add_argument(
+        "--timeline",
+        action="store_true",
+        help="also each job's phases in time, for each launcher's last sweep",
     )
     parser.add_argument("sweep", nargs="*", help="the sweep's overrides (after --)")
     args = parser.parse_args(argv)
@@ -157,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"| {name} | {median:.1f} | {min(walls):.1f}-{max(walls):.1f} | {median / basic:.2f}x | {cells} |"
         )
+    for name, runs in results.items() if args.timeline else ():
+        print("\n".join(timeline(name, runs[-1])))
     return 0 if all(run["returncode"] == 0 for runs in results.values() for run in runs) else 1
 
 
