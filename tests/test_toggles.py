@@ -618,6 +618,23 @@ def test_cuda_is_started_ahead_only_on_cuda_and_not_under_deterministic(monkeypa
     )
 
 
+def test_a_device_is_made_current_without_starting_cuda_where_it_would_be_current_anyway(monkeypatch):
+    """cuda:0 before CUDA's start is current once it starts: making it current would start CUDA
+    on the main thread, ahead of the thread that starts it beside the set-up's imports."""
+    from trainer.perf import cuda_start
+
+    made, started = [], [False]
+    monkeypatch.setattr(torch.cuda, "set_device", made.append)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: started[0])
+    cuda_start.make_current(torch.device("cuda", 0))
+    cuda_start.make_current(torch.device("cuda"))  # no index: the current one
+    assert made == []
+    cuda_start.make_current(torch.device("cuda", 1))
+    started[0] = True
+    cuda_start.make_current(torch.device("cuda", 0))  # CUDA started: another may be current
+    assert made == [torch.device("cuda", 1), torch.device("cuda", 0)]
+
+
 def test_the_assembly_waits_for_cuda_s_start_before_it_hands_its_parts_on(tmp_path, monkeypatch):
     order = []
     monkeypatch.setattr(perf, "cuda_ahead", lambda cfg, device, dtype: lambda: order.append("cuda started"))

@@ -226,9 +226,7 @@ def job_resources(cfg: DictConfig, n_jobs: int | None) -> Iterator[tuple[DictCon
     global _last_gpu
     with gpu_slot(gpus, prefer=_last_gpu) as slot:
         _last_gpu = slot
-        index = cuda_index(gpus, slot)
-        torch.cuda.set_device(index)
-        cfg.device = f"cuda:{index}"
+        cfg.device = f"cuda:{cuda_index(gpus, slot)}"  # made current by the job's set-up
         try:
             yield cfg, f"cuda:{slot}"  # metrics.json records it
         finally:

@@ -94,8 +94,8 @@ class Trainer:
         started = time.perf_counter()
         self.ranks = ranks = ranks or self.ranks or Ranks()
         self.run.device = device = resolve_device(self.cfg.device, ranks, self.cfg.ddp)
-        if device.type == "cuda" and device.index is not None:  # cuda:N: streams and graphs made there
-            torch.cuda.set_device(device)
+        if device.type == "cuda":
+            perf.make_current(device)
         resume = self.run.load_resume()
         self.parts = assemble(self.cfg, ranks, device)
         self.run.begin(self.parts, resume)

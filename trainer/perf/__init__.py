@@ -45,7 +45,7 @@ from trainer.perf.backend import (
 from trainer.perf.compile_keys import cache_keys_ahead
 from trainer.perf.compile_workers import stop_compile_workers
 from trainer.perf.cpu_bf16 import cpu_bf16_slowdown
-from trainer.perf.cuda_start import cuda_ahead
+from trainer.perf.cuda_start import cuda_ahead, make_current
 from trainer.perf.ddp import (
     DDP_TOGGLES,
     DDP_WRAPPER_TOGGLES,
@@ -91,6 +91,7 @@ __all__ = [
     "begin_ahead",
     "cache_keys_ahead",
     "cuda_ahead",
+    "make_current",
     "evaluation_backend",
     "broadcast_module",
     "batch_mover",
