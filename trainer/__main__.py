@@ -11,12 +11,14 @@ import logging
 import os
 import sys
 
+from trainer import heap
 from trainer.serve import client
 
 if __name__ == "__main__":
     # Before the imports below (Hydra, 0.2-0.5 s): a server of this environment takes the
     # command (trainer/serve); without one this returns at once.
     client.hand_over_command()
+    heap.pause_for_imports()  # until the first run's set-up (trainer/heap.py)
 
 from datetime import datetime
 from pathlib import Path
@@ -73,6 +75,7 @@ def run(
     if note:
         log.info("%s", note)
 
+    heap.freeze_imports()
     try:
         # the folder's lock: taken by main() already where the command line names the folder
         with parallel_jobs.job_resources(cfg, parallel) as (job_cfg, gpu), run_lock.owned(run_dir):
@@ -176,6 +179,7 @@ def cli() -> None:
     written (trainer/process_exit.py). Before torch's import: its bytecode cached where its
     install has none (trainer/bytecode.py)."""
     client.hand_over_command()  # the `trainer` console script's way in: once, whichever came first
+    heap.pause_for_imports()
     bytecode.cache_bytecode()
     process_exit.run(main)
 
