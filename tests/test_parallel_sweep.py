@@ -425,6 +425,24 @@ def test_a_sweep_job_compiles_afresh_where_it_would_have_run_eagerly(tmp_path):
     torch._dynamo.reset()
 
 
+def test_a_process_that_has_run_no_job_has_nothing_to_forget(monkeypatch):
+    """A sweep's first job in its process (a fresh worker, the basic launcher's first) skips
+    dynamo's reset; every later one resets."""
+    import torch._dynamo
+
+    from trainer import timing
+    from trainer.perf.model import fresh_compile
+
+    resets = []
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: resets.append(True))
+    monkeypatch.setattr(timing, "_runs_started", 0)
+    fresh_compile()
+    assert resets == []
+    monkeypatch.setattr(timing, "_runs_started", 1)
+    fresh_compile()
+    assert resets == [True]
+
+
 def test_the_end_of_a_sweep_without_a_pool_starts_none(monkeypatch):
     """A basic sweep in a process that has loky imported (python -m trainer.serve preloads it)
     asks for no pool at its end: asking would start one, with loky's resource tracker."""

@@ -32,6 +32,7 @@ import contextlib
 import ctypes
 import errno
 import fcntl
+import functools
 import multiprocessing
 import os
 import sys
@@ -68,6 +69,7 @@ def visible_gpus() -> int:
     return torch.cuda.device_count()
 
 
+@functools.cache  # the container's GPUs for the process's life: a worker forked after the count keeps it
 def nvml_gpu_count() -> int | None:
     """The host's GPUs as NVIDIA's management library counts them (those this container was
     given), or None where it cannot be read. By hand through ctypes: torch's count needs torch

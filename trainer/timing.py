@@ -99,6 +99,11 @@ def start_run() -> None:
     _run_started = time.monotonic()
 
 
+def runs_started() -> int:
+    """Runs begun in this process so far (a process forked for a run starts at 0)."""
+    return _runs_started
+
+
 def wall_s() -> float:
     """This run's seconds so far: for the process's first run since the process started (the
     interpreter and the imports included), for a sweep's later jobs since the job began."""

@@ -13,6 +13,7 @@ from functools import partial
 import torch
 from torch import nn
 
+from trainer import timing
 from trainer.config import CompileMode, ConfigError, TrainConfig
 from trainer.perf.ddp import unused_ddp_toggles
 from trainer.perf.graphed import CudaGraphed
@@ -127,7 +128,12 @@ def fresh_compile() -> None:
     one process, a parallel sweep's reused workers): forget what they compiled. Each job then
     compiles its own model (from torch's on-disk caches, where warm), its CUDA graphs' memory
     goes with the job before, and no job meets dynamo's recompile limit, past which a job
-    would run eagerly without a word beside compiled ones."""
+    would run eagerly without a word beside compiled ones. Nothing in a process that has run no
+    job yet: there is nothing to forget, and the reset still took 0.45-0.50 s before a sweep's
+    first job on an H200 host (torch 2.11; a parallel sweep's workers and the basic launcher's
+    process alike)."""
+    if timing.runs_started() == 0:
+        return
     torch._dynamo.reset()
 
 
