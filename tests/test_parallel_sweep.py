@@ -452,3 +452,25 @@ def test_the_end_of_a_sweep_without_a_pool_starts_none(monkeypatch):
         pytest.skip("a pool of this process's runs already")
     parallel_jobs.stop_workers()
     assert reusable_executor._executor is None
+
+
+def test_the_end_of_a_parallel_sweep_kills_its_workers_and_every_process_under_them():
+    """Under each worker, a process of its own (as inductor's compile workers are)."""
+    from joblib.externals.loky import get_reusable_executor
+
+    executor = get_reusable_executor(max_workers=1, reuse=False)
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    grandchild = executor.submit(os.posix_spawn, sys.executable, sleeper, dict(os.environ)).result()
+    worker = next(iter(executor._processes.values()))
+    parallel_jobs.stop_workers()
+    worker.join(timeout=10)
+    assert not worker.is_alive()
+    stat = Path(f"/proc/{grandchild}/stat")
+    for _ in range(100):  # killed: gone, or a zombie until whoever took it in reaps it
+        with contextlib.suppress(OSError):
+            if stat.read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                time.sleep(0.05)
+                continue
+        break
+    else:
+        raise AssertionError(f"process {grandchild} under the worker outlived the sweep's end")
