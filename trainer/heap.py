@@ -7,8 +7,8 @@ set off several: on the 2-core CPU host (torch 2.14.1) a CPU run with compile=tr
 its 7.7 s in 7 full collections, all before its warm-up, which freed almost nothing.
 A process forked from one that imported all that (a served command, a parallel sweep's worker, a
 tuner trial, a DDP rank) scanned the inherited objects at its first full collection, writing to
-each one's memory page and so copying it from the parent: its first configuration took 0.36-0.38 s
-against 0.12-0.13 s with them frozen.
+each one's memory page and so copying it from the parent: its first composition of the config
+took 0.36-0.38 s against 0.12-0.13 s with them frozen.
 
 So:
   - a command's process collects nothing while it imports and checks its command line

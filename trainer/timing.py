@@ -100,7 +100,8 @@ def start_run() -> None:
 
 
 def runs_started() -> int:
-    """Runs begun in this process so far (a process forked for a run starts at 0)."""
+    """Runs begun in this process so far. A forked process starts with its parent's count: the
+    servers runs are forked from (trainer/serve, trainer/forkserver.py) begin none."""
     return _runs_started
 
 
