@@ -9,18 +9,21 @@ import sys
 
 PROBE = r"""
 import gc, json, os
-from trainer import heap
+from trainer import heap, timing
 
 report = {}
-heap.pause_for_imports()
+heap.pause()
 report["paused"] = not gc.isenabled()
-made = [[index] for index in range(1000)]  # tracked by the collector
-heap.freeze_imports()
+imported = [[index] for index in range(1000)]  # what imports leave: tracked by the collector
+heap.freeze_and_resume()
 report["enabled"] = gc.isenabled()
-report["frozen_first"] = gc.get_freeze_count()
-later = [[index] for index in range(1000)]  # a later job's objects
-heap.freeze_imports()
-report["frozen_again"] = gc.get_freeze_count()
+report["frozen_imports"] = gc.get_freeze_count()
+timing.start_run()
+heap.pause()
+job = [[index] for index in range(1000)]  # a run has begun: its objects are a job's
+heap.freeze_and_resume()
+report["enabled_again"] = gc.isenabled()
+report["frozen_after_a_run"] = gc.get_freeze_count()
 gc.unfreeze()
 reading, writing = os.pipe()
 pid = os.fork()
@@ -39,11 +42,11 @@ def probe() -> dict:
     return json.loads(finished.stdout)
 
 
-def test_imports_are_frozen_once_before_the_first_run_and_a_forked_process_freezes_what_it_inherited():
+def test_imports_are_frozen_until_a_run_begins_and_a_forked_process_freezes_what_it_inherited():
     report = probe()
-    assert report["paused"] and report["enabled"]
-    assert report["frozen_first"] >= 1000  # the imports and what the command made before its run
-    # a later job's objects stay where the collector can free them
-    assert report["frozen_again"] == report["frozen_first"]
+    assert report["paused"] and report["enabled"] and report["enabled_again"]
+    assert report["frozen_imports"] >= 1000
+    # a job's objects stay where the collector can free them
+    assert report["frozen_after_a_run"] == report["frozen_imports"]
     assert report["unfrozen_parent"] == 0
     assert report["frozen_in_child"] >= 2000  # everything the child was forked with

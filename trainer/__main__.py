@@ -18,7 +18,7 @@ if __name__ == "__main__":
     # Before the imports below (Hydra, 0.2-0.5 s): a server of this environment takes the
     # command (trainer/serve); without one this returns at once.
     client.hand_over_command()
-    heap.pause_for_imports()  # until the first run's set-up (trainer/heap.py)
+    heap.pause()  # through the imports below (trainer/heap.py)
 
 from datetime import datetime
 from pathlib import Path
@@ -67,15 +67,16 @@ def run(
     if parallel and sweep_summary.stop_requested(Path(sweep_dir)):
         return None  # the sweep was stopped before this job's turn
     # torch: only once the command line has passed its check
+    heap.pause()
     from trainer.perf.compile_workers import keep_compile_workers
     from trainer.perf.model import fresh_compile
     from trainer.trainer import Trainer
 
+    heap.freeze_and_resume()
     note = bytecode.first_use_note()
     if note:
         log.info("%s", note)
 
-    heap.freeze_imports()
     try:
         # the folder's lock: taken by main() already where the command line names the folder
         with parallel_jobs.job_resources(cfg, parallel) as (job_cfg, gpu), run_lock.owned(run_dir):
@@ -125,6 +126,7 @@ def named_run_folder(args: list[str]) -> str | None:
 
 def main() -> None:
     args = sys.argv[1:]
+    heap.freeze_and_resume()  # the command line's modules; its checks collect their own garbage
     try:
         if parallel_sweep_here(args):
             # first: the server's imports overlap the checks and the sweep's start; a command
@@ -179,7 +181,7 @@ def cli() -> None:
     written (trainer/process_exit.py). Before torch's import: its bytecode cached where its
     install has none (trainer/bytecode.py)."""
     client.hand_over_command()  # the `trainer` console script's way in: once, whichever came first
-    heap.pause_for_imports()
+    heap.pause()
     bytecode.cache_bytecode()
     process_exit.run(main)
 
