@@ -50,8 +50,9 @@ def make_current(device: torch.device) -> None:
     """cuda:N as the current device of this thread, for the streams and graphs the run makes.
     Not where CUDA has not started and N is 0: a process's current device is 0 once CUDA
     starts, and making it current here would start CUDA now, on the main thread, instead of
-    beside the set-up's imports (`cuda_ahead`). A parallel sweep's job always has its GPU as
-    cuda:0 (trainer/parallel_jobs.py, `cuda_index`)."""
+    beside the set-up's imports (`cuda_ahead`). A parallel sweep's worker sees its first job's
+    GPU as cuda:0 (trainer/parallel_jobs.py, `cuda_index`); a later job of the worker on another
+    GPU finds CUDA started, and that GPU made current."""
     if device.index is not None and (device.index != 0 or torch.cuda.is_initialized()):
         torch.cuda.set_device(device)
 
