@@ -35,7 +35,6 @@ import fcntl
 import functools
 import multiprocessing
 import os
-import signal
 import sys
 import tempfile
 import time
@@ -212,12 +211,10 @@ def kill_workers_descendants(executor) -> None:
     sidecar and a worker per core each), from one read of /proc. loky kills a worker's tree
     itself, but without psutil it runs `pgrep -P` once per process in it: 0.35 s at the end of
     a 2-GPU sweep on a 32-core host, after its last job. Left to loky then: the workers."""
-    from trainer.trials import descendants
+    from trainer import process_tree
 
     for worker in list(getattr(executor, "_processes", {}).values()):  # loky's own table of them
-        for pid in descendants(worker.pid):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        process_tree.kill(process_tree.descendants(worker.pid))
 
 
 @contextlib.contextmanager

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
+from trainer import process_tree
+
 METRICS = "metrics.json"
 TIMED_OUT = "timed out"  # how a trial stopped at its time limit is reported
 
@@ -149,32 +151,10 @@ def kill_tree(leader: int) -> None:
     workers leave for process groups of their own (trainer.perf.inputs), out of the group's
     reach, and would otherwise run on for seconds into the next trial. The tree is read before
     anything is killed: a killed parent's children are handed to init and no longer under it."""
-    below = descendants(leader)
+    below = process_tree.descendants(leader)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(leader, signal.SIGKILL)
-    for pid in below:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process under pid (its children, theirs, ...), read from /proc; [] without it."""
-    children: dict[int, list[int]] = {}
-    proc = Path("/proc")
-    for entry in proc.iterdir() if proc.is_dir() else []:
-        if not entry.name.isdigit():
-            continue
-        try:
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue  # ended while we looked
-        children.setdefault(parent, []).append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        below = children.get(todo.pop(), [])
-        found += below
-        todo += below
-    return found
+    process_tree.kill(below)
 
 
 def steady_numbers(trial: Trial) -> dict:

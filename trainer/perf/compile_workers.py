@@ -11,10 +11,7 @@ Owns: when the pool stops, and how. Must not touch: whether or what a run compil
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
-import signal
 import sys
 import threading
 import time
@@ -124,8 +121,6 @@ def ordered_to_stop(pool: object, stopping: threading.Thread) -> bool:
 
 def kill_with_workers(sidecar: int) -> None:
     """SIGKILL to the sidecar and every process under it (its workers, if it had begun them)."""
-    from trainer.trials import descendants
+    from trainer import process_tree
 
-    for pid in [sidecar, *descendants(sidecar)]:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+    process_tree.kill([sidecar, *process_tree.descendants(sidecar)])
