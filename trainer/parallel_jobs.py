@@ -208,9 +208,10 @@ def stop_workers() -> None:
 
 def kill_workers_descendants(executor) -> None:
     """SIGKILL to every process under the pool's workers (inductor's compile-worker pools: a
-    sidecar and a worker per core each), from one read of /proc. loky kills a worker's tree
-    itself, but without psutil it runs `pgrep -P` once per process in it: 0.35 s at the end of
-    a 2-GPU sweep on a 32-core host, after its last job. Left to loky then: the workers."""
+    sidecar and a worker per core each), read from /proc in one pass per worker. loky kills a
+    worker's tree itself, but without psutil it runs `pgrep -P` once per process in it: 0.35 s
+    at the end of a 2-GPU sweep on a 32-core host, after its last job. Left to loky then: the
+    workers."""
     from trainer import process_tree
 
     for worker in list(getattr(executor, "_processes", {}).values()):  # loky's own table of them
