@@ -19,11 +19,15 @@ heap.freeze_and_resume()
 report["enabled"] = gc.isenabled()
 report["frozen_imports"] = gc.get_freeze_count()
 timing.start_run()
-heap.pause()
-job = [[index] for index in range(1000)]  # a run has begun: its objects are a job's
-heap.freeze_and_resume()
+with heap.imports():
+    job = [[index] for index in range(1000)]  # a run has begun: its objects are a job's
 report["enabled_again"] = gc.isenabled()
 report["frozen_after_a_run"] = gc.get_freeze_count()
+try:
+    with heap.imports():
+        import a_module_that_is_not_there  # noqa: F401
+except ImportError:
+    report["enabled_after_a_failed_import"] = gc.isenabled()
 gc.unfreeze()
 reading, writing = os.pipe()
 pid = os.fork()
@@ -45,6 +49,7 @@ def probe() -> dict:
 def test_imports_are_frozen_until_a_run_begins_and_a_forked_process_freezes_what_it_inherited():
     report = probe()
     assert report["paused"] and report["enabled"] and report["enabled_again"]
+    assert report["enabled_after_a_failed_import"]
     assert report["frozen_imports"] >= 1000
     # a job's objects stay where the collector can free them
     assert report["frozen_after_a_run"] == report["frozen_imports"]

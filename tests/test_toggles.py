@@ -635,24 +635,6 @@ def test_a_device_is_made_current_without_starting_cuda_where_it_would_be_curren
     assert made == [torch.device("cuda", 1), torch.device("cuda", 0)]
 
 
-def test_a_named_cuda_device_is_checked_without_starting_cuda(monkeypatch):
-    """device=cuda:N asks how many GPUs there are (NVML, where torch can read it), not whether
-    CUDA starts: starting it there held a parallel sweep's job on its main thread."""
-    from trainer.assembly import resolve_device
-    from trainer.config import ConfigError
-    from trainer.distributed import Ranks
-
-    def started(*_):
-        raise AssertionError("CUDA's driver started to resolve the device")
-
-    monkeypatch.setattr(torch.cuda, "is_available", started)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    assert resolve_device("cuda:0", Ranks(), ddp=False) == torch.device("cuda", 0)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
-    with pytest.raises(ConfigError, match="no CUDA device is visible"):
-        resolve_device("cuda", Ranks(), ddp=False)
-
-
 def test_the_assembly_waits_for_cuda_s_start_before_it_hands_its_parts_on(tmp_path, monkeypatch):
     order = []
     monkeypatch.setattr(perf, "cuda_ahead", lambda cfg, device, dtype: lambda: order.append("cuda started"))

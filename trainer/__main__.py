@@ -67,12 +67,11 @@ def run(
     if parallel and sweep_summary.stop_requested(Path(sweep_dir)):
         return None  # the sweep was stopped before this job's turn
     # torch: only once the command line has passed its check
-    heap.pause()
-    from trainer.perf.compile_workers import keep_compile_workers
-    from trainer.perf.model import fresh_compile
-    from trainer.trainer import Trainer
+    with heap.imports():
+        from trainer.perf.compile_workers import keep_compile_workers
+        from trainer.perf.model import fresh_compile
+        from trainer.trainer import Trainer
 
-    heap.freeze_and_resume()
     note = bytecode.first_use_note()
     if note:
         log.info("%s", note)

@@ -113,10 +113,7 @@ def nothing() -> None:
 def resolve_device(spec: str, ranks: Ranks, ddp: bool) -> torch.device:
     if spec == "auto":
         spec = "cuda" if torch.cuda.is_available() else "cpu"
-    # device_count, not is_available: it reads NVML where it can, without starting CUDA's driver
-    # here on the main thread (0.47 s before a parallel sweep's job could begin its set-up on
-    # an H200 host); CUDA then starts beside the set-up (perf.cuda_ahead)
-    if spec.startswith("cuda") and torch.cuda.device_count() == 0:
+    if spec.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(no_cuda_device(spec))
     if spec.startswith("cuda") and ddp:
         return torch.device("cuda", ranks.local_rank)

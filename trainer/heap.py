@@ -13,7 +13,7 @@ and so copying it from the parent: its first composition of the config took 0.36
 So the collector is paused while the process imports, and what the imports made is then frozen
 (moved where the collector no longer scans it) before collection resumes: the command line's
 modules before its checks (`pause` at the start, `freeze_and_resume` before the checks), torch
-and the trainer before the first run's set-up (the same pair in the run). The checks run with
+and the trainer before the first run's set-up (`imports`, around the run's). The checks run with
 the collector on: each composition of the config leaves about 1 MB in reference cycles, which a
 64-job sweep's checks would otherwise freeze for the process's life. Once a run has begun in the
 process, nothing more is frozen: an earlier job's model and graphs, in reference cycles, must
@@ -25,8 +25,10 @@ Owns: when the collector pauses and what it stops scanning. Must not touch: anyt
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
+from collections.abc import Iterator
 
 from trainer import timing
 
@@ -42,6 +44,16 @@ def freeze_and_resume() -> None:
     if timing.runs_started() == 0:
         gc.freeze()
     gc.enable()
+
+
+@contextlib.contextmanager
+def imports() -> Iterator[None]:
+    """`pause` for the block's imports, then `freeze_and_resume`, even when an import fails."""
+    pause()
+    try:
+        yield
+    finally:
+        freeze_and_resume()
 
 
 os.register_at_fork(after_in_child=gc.freeze)

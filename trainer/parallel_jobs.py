@@ -202,20 +202,23 @@ def stop_workers() -> None:
     if reusable is None or getattr(reusable, "_executor", None) is None:
         return
     executor = reusable.get_reusable_executor(reuse=True)
-    kill_workers_descendants(executor)
+    kill_workers_and_what_runs_under_them(executor)
     executor.shutdown(wait=True, kill_workers=True)
 
 
-def kill_workers_descendants(executor) -> None:
-    """SIGKILL to every process under the pool's workers (inductor's compile-worker pools: a
-    sidecar and a worker per core each), read from /proc in one pass per worker. loky kills a
-    worker's tree itself, but without psutil it runs `pgrep -P` once per process in it: 0.35 s
-    at the end of a 2-GPU sweep on a 32-core host, after its last job. Left to loky then: the
-    workers."""
+def kill_workers_and_what_runs_under_them(executor) -> None:
+    """SIGKILL to the pool's workers, then to every process under them (inductor's
+    compile-worker pools: a sidecar and a worker per core each), the trees read from /proc first
+    (a killed worker's children are handed to init). loky kills each tree itself, but without
+    psutil it runs `pgrep -P` once per process in it: 0.35 s at the end of a 2-GPU sweep on a
+    32-core host, after its last job. Workers first: a worker that saw its compile pool die
+    logged "SubprocPool unclean exit". loky's shutdown then finds them gone."""
     from trainer import process_tree
 
-    for worker in list(getattr(executor, "_processes", {}).values()):  # loky's own table of them
-        process_tree.kill(process_tree.descendants(worker.pid))
+    workers = [worker.pid for worker in list(getattr(executor, "_processes", {}).values())]  # loky's table
+    below = [pid for worker in workers for pid in process_tree.descendants(worker)]
+    process_tree.kill(workers)
+    process_tree.kill(below)
 
 
 @contextlib.contextmanager
