@@ -216,7 +216,7 @@ def kill_workers_and_what_runs_under_them(executor) -> None:
     from trainer import process_tree
 
     workers = [worker.pid for worker in list(getattr(executor, "_processes", {}).values())]  # loky's table
-    below = [pid for worker in workers for pid in process_tree.descendants(worker)]
+    below = process_tree.descendants(*workers)
     process_tree.kill(workers)
     process_tree.kill(below)
 

@@ -15,8 +15,9 @@ import signal
 from pathlib import Path
 
 
-def descendants(pid: int) -> list[int]:
-    """Every process under pid (its children, theirs, ...), read from /proc; [] without it."""
+def descendants(*pids: int) -> list[int]:
+    """Every process under the pids (their children, theirs, ...), from one read of /proc; []
+    without it."""
     children: dict[int, list[int]] = {}
     proc = Path("/proc")
     for entry in proc.iterdir() if proc.is_dir() else []:
@@ -27,7 +28,7 @@ def descendants(pid: int) -> list[int]:
         except (OSError, IndexError, ValueError):
             continue  # ended while we looked
         children.setdefault(parent, []).append(int(entry.name))
-    found, todo = [], [pid]
+    found, todo = [], list(pids)
     while todo:
         below = children.get(todo.pop(), [])
         found += below
