@@ -29,7 +29,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from trainer import bytecode, parallel_jobs, process_exit, run_lock, sweep_checks, sweep_summary
+from trainer import bytecode, cuda_driver, parallel_jobs, process_exit, run_lock, sweep_checks, sweep_summary
 from trainer.cli_checks import CONF_DIR, check_command_line
 from trainer.cli_help import register_help
 from trainer.command_line import parallel_sweep_here, split_command_line
@@ -66,6 +66,8 @@ def run(
     sweep = sweep_dir is not None
     if parallel and sweep_summary.stop_requested(Path(sweep_dir)):
         return None  # the sweep was stopped before this job's turn
+    if not parallel and cuda_driver.runs_here(cfg.device, cfg.ddp):
+        cuda_driver.start_ahead()  # beside torch's imports (a parallel job's: once its GPU is set)
     # torch: only once the command line has passed its check
     with heap.imports():
         from trainer.perf.compile_workers import keep_compile_workers

@@ -33,7 +33,7 @@ from trainer.data.resolution import LowResEpochs
 from trainer.data.sources import ListingAhead
 from trainer.distributed import Ranks
 from trainer.ema import NoAverage, WeightAverage, weight_average
-from trainer.models import build_model, check_low_res, initialize_from_data
+from trainer.models import build_model, check_low_res, initialize_from_data, shapes_only
 from trainer.optim import build_optimizer, build_scheduler, logged_peak_lr
 from trainer.preflight import no_cuda_device
 from trainer.timing import data_wait_timer
@@ -95,6 +95,7 @@ class Parts:
     # measuring and diagnosing
     warm_up_steps: int  # trained and undone before the clock starts (compile, cuDNN autotuning)
     cache_keys_ready: Callable[[], None]  # waits for torch's compile-cache keys, before the first compile
+    autotuned: Callable[[], None]  # waits for cuDNN's autotuning begun ahead, before CUDA graphs record
     warm_up_work: str  # what those steps are for, for the run's log
     low_res_epochs: int  # the first epochs train on smaller images: a second shape to warm up
     mfu: mfu.Meter
@@ -127,6 +128,7 @@ def assemble(cfg: TrainConfig, ranks: Ranks, device: torch.device) -> Parts:
     listing = begin_listing(cfg.data)  # the helper process first: it runs beside what follows
     cuda_ready, cache_keys_ready = perf.begin_ahead(cfg, device)  # beside the data's set-up
     splits, train_loader, train_batches, test_batches, setup_data_s = build_data(cfg, ranks, device, listing)
+    perf.begin_autotuning(cfg, device, lambda: build_model(shapes_only(cfg.model), len(splits.classes)))
     raw_model, model, ddp_model, step_graph, meter, init_s = build_network(cfg, ranks, device, splits)
     global_batch = cfg.batch_size * ranks.world_size * cfg.grad_accum_steps
     optimizer, lr_peak = step_optimizer(cfg, ranks, device, raw_model, global_batch)
@@ -169,6 +171,7 @@ def assemble(cfg: TrainConfig, ranks: Ranks, device: torch.device) -> Parts:
         evaluation_backend=perf.evaluation_backend(device),
         target_acc=cfg.target_acc,
         cache_keys_ready=cache_keys_ready,
+        autotuned=perf.autotune_ahead.wait,
         warm_up_steps=perf.warm_up_steps(cfg, device, captured=step_graph is not None),
         warm_up_work=perf.warm_up_work(cfg, device, captured=step_graph is not None),
         low_res_epochs=cfg.data.low_res_epochs,

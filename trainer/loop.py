@@ -261,6 +261,7 @@ def warm_up_steps(parts: Parts, epoch: int, evaluate: Callable[[], dict]) -> Non
         parts.train_loader.set_epoch(first_epoch)
         for images, labels in itertools.islice(parts.train_batches, parts.warm_up_steps):
             forward_backward(parts, images, labels, 1, boundary=True)
+            parts.autotuned()  # before torch.compile's CUDA graphs record, at the second step
             apply_gradients(parts)
     for name, part in changed.items():
         part.load_state_dict(saved[name])

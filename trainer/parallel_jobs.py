@@ -21,7 +21,8 @@ reuses and stops); what it does not know about, this module adds around each job
     the sweep's process, even one killed by SIGKILL. A launcher chosen in a config file
     instead gets loky's own workers, which import all that themselves.
   - a worker's CUDA sees its first job's GPU as cuda:0, so that every GPU reads torch's one
-    compile cache (`cuda_index`);
+    compile cache (`cuda_index`), and its driver starts as soon as that is set
+    (trainer/cuda_driver.py);
 Owns: those seven. Must not touch: what a job trains (trainer/trainer.py), the run folder.
 No torch at import: the resolver runs in the parent, before any job.
 """
@@ -42,6 +43,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from omegaconf import DictConfig
+
+from trainer import cuda_driver
 
 LAUNCHER_TARGET = "hydra_plugins.hydra_joblib_launcher.joblib_launcher.JoblibLauncher"
 SLOT_WAIT_S = 0.5
@@ -246,6 +249,7 @@ def job_resources(cfg: DictConfig, n_jobs: int | None) -> Iterator[tuple[DictCon
     with gpu_slot(gpus, prefer=_last_gpu) as slot:
         _last_gpu = slot
         cfg.device = f"cuda:{cuda_index(gpus, slot)}"  # made current by the job's set-up
+        cuda_driver.start_ahead()  # what CUDA sees is set: its driver starts beside the job's start
         try:
             yield cfg, f"cuda:{slot}"  # metrics.json records it
         finally:

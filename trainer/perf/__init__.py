@@ -15,6 +15,7 @@ A new toggle is a field in trainer/config.py and a few lines in the file of its 
   compile_workers.py  when torch.compile's compile-worker pool is stopped, and how
   compile_keys.py  torch's compile-cache keys worked out beside the set-up
   cuda_start.py  CUDA, cuDNN and cuBLAS started in a thread beside the set-up's imports
+  autotune_ahead.py  cuDNN's autotuning of the backward convolutions begun beside the first compile
   ddp.py       how ranks average gradients (ddp_sync): DistributedDataParallel and its ddp_*
                communication toggles, or all_reduce.py's one all-reduce after backward
   step_graph.py forward, backward and gradient average as one CUDA graph (step_graph)
@@ -34,6 +35,8 @@ from collections.abc import Callable
 import torch
 
 from trainer.config import AmpDtype, TrainConfig
+from trainer.data import IMAGE_SIZE
+from trainer.perf import autotune_ahead
 from trainer.perf.all_reduce import BufferAverage, GradientAverage, broadcast_module
 from trainer.perf.backend import (
     WARM_UP_STEPS,
@@ -87,8 +90,10 @@ __all__ = [
     "amp_dtype",
     "apply_backend_flags",
     "at_default",
+    "autotune_ahead",
     "autocast_context",
     "begin_ahead",
+    "begin_autotuning",
     "cache_keys_ahead",
     "cuda_ahead",
     "make_current",
@@ -153,6 +158,15 @@ def begin_ahead(cfg: TrainConfig, device: torch.device) -> tuple[Callable[[], No
     the run's precision (cuda_start.py; the assembly's end waits) and torch's compile-cache keys
     (compile_keys.py; the warm-up waits, before its first compile)."""
     return cuda_ahead(cfg, device, lambda: amp_dtype(cfg, device)), cache_keys_ahead(cfg)
+
+
+def begin_autotuning(cfg: TrainConfig, device: torch.device, build: Callable[[], torch.nn.Module]) -> None:
+    """cuDNN's autotuning of the backward convolutions begun in a thread (autotune_ahead.py), on a
+    copy of the model (`build()`) at each of the run's batch shapes, in its precision and memory
+    format; the warm-up waits for it before CUDA graphs record (`autotune_ahead.wait`)."""
+    low_res = (cfg.data.low_res, cfg.data.low_res_epochs)
+    shapes = autotune_ahead.shapes_to_time(cfg.batch_size, IMAGE_SIZE, *low_res)
+    autotune_ahead.begin(build, device, shapes, lambda: amp_dtype(cfg, device), memory_format(cfg))
 
 
 def autocast_context(

@@ -25,6 +25,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from trainer.perf import autotune_ahead
+
 log = logging.getLogger(__name__)
 
 # Calls before a capture, on a side stream as torch's CUDA-graph notes ask: they compile a
@@ -75,6 +77,7 @@ class CudaGraphed:
         torch.cuda.current_stream().wait_stream(side)
         from torch._dynamo import config as dynamo_config  # loaded by then: the optimizer's import
 
+        autotune_ahead.wait()  # no other thread of ours allocates while a stream captures
         graph = torch.cuda.CUDAGraph()
         # thread_local: a DataLoader's pin-memory thread may use CUDA while this captures. A
         # compiled function called with the warm-up's very arguments does not recompile; should

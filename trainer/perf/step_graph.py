@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from trainer.config import DdpSync, TrainConfig, TrainerError
+from trainer.perf import autotune_ahead
 from trainer.perf.notes import cannot_act
 
 # Eager passes before a capture, on a side stream as torch's CUDA-graph notes ask: they build
@@ -125,6 +126,7 @@ class StepGraph:
         torch.cuda.current_stream().wait_stream(side)
         # captured with no .grad, the backward assigns each gradient instead of adding to one
         self.drop_grads()
+        autotune_ahead.wait()  # no other thread of ours allocates while a stream captures
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             loss, correct = body(static_images, static_labels)

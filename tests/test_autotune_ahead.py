@@ -1,0 +1,65 @@
+"""cuDNN's autotuning begun ahead (trainer/perf/autotune_ahead.py): the thread trains a copy of
+the model built on the meta device, so the run's random numbers are as without it. Its timing
+itself happens only on CUDA; here the thread runs on the CPU in its place."""
+
+import torch
+from torch import nn
+
+from trainer.perf import autotune_ahead
+
+
+def small_model() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.Dropout(0.5),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, 10),
+    )
+
+
+def test_a_copy_built_on_the_meta_device_trains_without_a_random_draw(monkeypatch):
+    trained = []
+    real_train_once = autotune_ahead.train_once
+    monkeypatch.setattr(autotune_ahead, "autotunes", lambda device: True)
+    monkeypatch.setattr(autotune_ahead, "train_once", lambda *args: trained.append(real_train_once(*args)))
+    copies = []
+
+    def build() -> nn.Module:
+        model = small_model()
+        copies.append((model, next(model.parameters()).device.type))
+        return model
+
+    rng = torch.get_rng_state()
+    shapes = autotune_ahead.shapes_to_time(4, 32, low_res=24, low_res_epochs=2)
+    autotune_ahead.begin(build, torch.device("cpu"), shapes, lambda: None, torch.channels_last)
+    autotune_ahead.wait()
+    assert len(trained) == 1
+    model, built_on = copies[0]
+    assert built_on == "meta"
+    assert torch.equal(torch.get_rng_state(), rng)  # nothing drawn
+    assert model[0].weight.grad is not None  # the copy stepped (to_empty gives it memory in place)
+
+
+def test_a_model_the_meta_device_cannot_build_starts_nothing(monkeypatch):
+    monkeypatch.setattr(autotune_ahead, "autotunes", lambda device: True)
+
+    def build() -> nn.Module:
+        raise RuntimeError("user code that needs real tensors")
+
+    autotune_ahead.begin(build, torch.device("cpu"), [(2, 3, 8, 8)], lambda: None, torch.contiguous_format)
+    assert autotune_ahead._running is None
+
+
+def test_shapes_are_each_training_size():
+    assert autotune_ahead.shapes_to_time(512, 32, 0, 0) == [(512, 3, 32, 32)]
+    assert autotune_ahead.shapes_to_time(512, 32, 24, 3) == [(512, 3, 24, 24), (512, 3, 32, 32)]
+
+
+def test_nothing_starts_where_cudnn_does_not_autotune():
+    autotune_ahead.begin(
+        small_model, torch.device("cpu"), [(2, 3, 8, 8)], lambda: None, torch.contiguous_format
+    )
+    assert autotune_ahead._running is None

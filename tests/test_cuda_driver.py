@@ -1,0 +1,68 @@
+"""CUDA's driver started ahead (trainer/cuda_driver.py): once per process, only where a driver
+is loaded and the run itself uses CUDA, through ctypes (which lets go of Python's lock)."""
+
+import threading
+
+import pytest
+
+from trainer import cuda_driver
+
+
+class FakeLibcuda:
+    def __init__(self, calls: list):
+        self.calls = calls
+
+    def cuInit(self, flags: int) -> int:  # noqa: N802 (the driver's name)
+        self.calls.append((flags, threading.current_thread().name))
+        return 0
+
+
+@pytest.fixture
+def driver(monkeypatch):
+    calls = []
+    monkeypatch.setattr(cuda_driver, "_started", False)
+    monkeypatch.setattr(cuda_driver.ctypes, "CDLL", lambda name: FakeLibcuda(calls))
+    return calls
+
+
+def join_driver_thread():
+    for thread in threading.enumerate():
+        if thread.name == "cuda-driver":
+            thread.join()
+
+
+def test_started_once_in_a_thread_where_a_driver_is_loaded(driver, monkeypatch):
+    monkeypatch.setattr(cuda_driver.Path, "exists", lambda self: str(self) == "/proc/driver/nvidia")
+    cuda_driver.start_ahead()
+    cuda_driver.start_ahead()
+    join_driver_thread()
+    assert driver == [(0, "cuda-driver")]
+
+
+def test_nothing_without_a_driver(driver, monkeypatch):
+    monkeypatch.setattr(cuda_driver.Path, "exists", lambda self: False)
+    cuda_driver.start_ahead()
+    join_driver_thread()
+    assert driver == []
+
+
+def test_a_missing_library_is_left_to_torch(monkeypatch):
+    def missing(name):
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(cuda_driver.ctypes, "CDLL", missing)
+    cuda_driver.initialize()  # no exception: torch's own first call reports it
+
+
+@pytest.mark.parametrize(
+    ("device", "ddp", "expected"),
+    [
+        ("auto", False, True),
+        ("cuda", False, True),
+        ("cuda:1", False, True),
+        ("cpu", False, False),
+        ("cuda", True, False),
+    ],
+)
+def test_only_a_run_on_cuda_in_this_process(device, ddp, expected):
+    assert cuda_driver.runs_here(device, ddp) is expected

@@ -1,0 +1,45 @@
+"""CUDA's driver started in a thread while the run imports torch.
+
+A run's first question to CUDA (`torch.cuda.is_available()`, where the run's device is
+resolved) starts NVIDIA's driver, `cuInit`, and holds Python's lock while it does: 0.47 s on the
+main thread of each parallel sweep's worker on a 2-H200 host, after torch's imports (README,
+"Sweeps on every GPU"). Called through ctypes, which lets go of that lock, it runs beside the
+imports instead, and torch's own call then finds it done. By hand because torch has no call that
+starts the driver without holding the lock, and importing torch first is what it would overlap.
+
+Only in a process that is about to run on CUDA itself, once what CUDA may see is settled
+(CUDA_VISIBLE_DEVICES, read by cuInit: Hydra's job environment, a parallel job's GPU): a process
+that forks runs after starting the driver hands them a driver they cannot use (the server, the
+forkserver, a DDP launcher, the tuner never start it).
+
+Owns: when the driver is started ahead. Must not touch: torch (not imported here).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import threading
+from pathlib import Path
+
+_started = False
+
+
+def start_ahead() -> None:
+    """cuInit in a daemon thread, once per process, where an NVIDIA driver is loaded."""
+    global _started
+    if _started or not Path("/proc/driver/nvidia").exists():
+        return
+    _started = True
+    threading.Thread(target=initialize, name="cuda-driver", daemon=True).start()
+
+
+def initialize() -> None:
+    with contextlib.suppress(OSError, AttributeError):  # no libcuda: torch says so in its own words
+        ctypes.CDLL("libcuda.so.1").cuInit(0)
+
+
+def runs_here(device: str, ddp: bool) -> bool:
+    """Whether a run of these settings uses CUDA in this very process: device auto or cuda, and
+    not ddp=true, whose ranks are processes of their own."""
+    return not ddp and (device == "auto" or device.startswith("cuda"))
