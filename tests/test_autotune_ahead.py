@@ -2,10 +2,16 @@
 the model built on the meta device, so the run's random numbers are as without it. Its timing
 itself happens only on CUDA; here the thread runs on the CPU in its place."""
 
+import pytest
 import torch
 from torch import nn
 
 from trainer.perf import autotune_ahead
+
+
+@pytest.fixture(autouse=True)
+def nothing_timed_yet(monkeypatch):
+    monkeypatch.setattr(autotune_ahead, "_timed", set())
 
 
 def small_model() -> nn.Module:
@@ -34,9 +40,12 @@ def test_a_copy_built_on_the_meta_device_trains_without_a_random_draw(monkeypatc
 
     rng = torch.get_rng_state()
     shapes = autotune_ahead.shapes_to_time(4, 32, low_res=24, low_res_epochs=2)
-    autotune_ahead.begin(build, torch.device("cpu"), shapes, lambda: None, torch.channels_last)
+    autotune_ahead.begin(build, torch.device("cpu"), shapes, lambda: None, torch.channels_last, ("a",))
     autotune_ahead.wait()
     assert len(trained) == 1
+    autotune_ahead.begin(build, torch.device("cpu"), shapes, lambda: None, torch.channels_last, ("a",))
+    autotune_ahead.wait()
+    assert len(trained) == 1  # the same settings again (a sweep's next job): timed already
     model, built_on = copies[0]
     assert built_on == "meta"
     assert torch.equal(torch.get_rng_state(), rng)  # nothing drawn
@@ -49,7 +58,9 @@ def test_a_model_the_meta_device_cannot_build_starts_nothing(monkeypatch):
     def build() -> nn.Module:
         raise RuntimeError("user code that needs real tensors")
 
-    autotune_ahead.begin(build, torch.device("cpu"), [(2, 3, 8, 8)], lambda: None, torch.contiguous_format)
+    autotune_ahead.begin(
+        build, torch.device("cpu"), [(2, 3, 8, 8)], lambda: None, torch.contiguous_format, ("b",)
+    )
     assert autotune_ahead._running is None
 
 
@@ -60,6 +71,6 @@ def test_shapes_are_each_training_size():
 
 def test_nothing_starts_where_cudnn_does_not_autotune():
     autotune_ahead.begin(
-        small_model, torch.device("cpu"), [(2, 3, 8, 8)], lambda: None, torch.contiguous_format
+        small_model, torch.device("cpu"), [(2, 3, 8, 8)], lambda: None, torch.contiguous_format, ("c",)
     )
     assert autotune_ahead._running is None

@@ -166,7 +166,8 @@ def begin_autotuning(cfg: TrainConfig, device: torch.device, build: Callable[[],
     format; the warm-up waits for it before CUDA graphs record (`autotune_ahead.wait`)."""
     low_res = (cfg.data.low_res, cfg.data.low_res_epochs)
     shapes = autotune_ahead.shapes_to_time(cfg.batch_size, IMAGE_SIZE, *low_res)
-    autotune_ahead.begin(build, device, shapes, lambda: amp_dtype(cfg, device), memory_format(cfg))
+    settings = (repr(cfg.model), *shapes, cfg.amp, cfg.amp_dtype, cfg.channels_last, cfg.tf32, str(device))
+    autotune_ahead.begin(build, device, shapes, lambda: amp_dtype(cfg, device), memory_format(cfg), settings)
 
 
 def autocast_context(

@@ -37,6 +37,8 @@ log = logging.getLogger(__name__)
 
 # The thread of this process's run, until waited for: the cuDNN caches it fills are the process's.
 _running: threading.Thread | None = None
+# What this process had timed ahead already (a sweep's later jobs in it): its caches still hold it.
+_timed: set[tuple] = set()
 
 
 def begin(
@@ -45,17 +47,20 @@ def begin(
     shapes: list[tuple[int, ...]],
     dtype: Callable[[], torch.dtype | None],
     layout: torch.memory_format,
+    settings: tuple,
 ) -> None:
     """Where cuDNN autotunes on CUDA (torch.backends.cudnn.benchmark as the backend switches
     left it): a thread trains a copy of the model one step on zero images of each batch shape, in
     the run's autocast dtype (`dtype()`, asked in the thread; None: full precision) and memory
     `layout`. The copy is `build()` on the meta device, here (no random draws: its values do not
     decide cuDNN's choice), given memory and zeros in the thread; so it begins as soon as the
-    data's classes are known, before the run's own model and its imports."""
+    data's classes are known, before the run's own model and its imports. Once per `settings`
+    (what decides the convolutions' shapes and types) in a process."""
     global _running
     wait()
-    if not autotunes(device):
+    if not autotunes(device) or settings in _timed:
         return
+    _timed.add(settings)
     try:
         with torch.device("meta"), torch.random.fork_rng(devices=[]):
             twin = build()
