@@ -124,12 +124,16 @@ def workers_from_forkserver() -> None:
     CPU a worker's first job then began 0.4 s after its fork instead of 2.7 s after its start
     (README, "Sweeps on every GPU"). loky takes any of multiprocessing's start methods; the
     thread limits joblib would set in a loky worker's environment are each job's own here
-    (`job_resources`). Inductor is preloaded only where a GPU could be: the jobs' settings are
-    not composed yet, and on a 2-core CPU its preload cost 1.4 s of CPU beside the sweep's start,
-    for CPU jobs that seldom compile (a job that does imports it itself, as a single run does)."""
+    (`job_resources`). Inductor is not preloaded: the server would import it before forking any
+    worker, and every worker would wait for it. A job that compiles imports it itself as its
+    set-up begins, as a single run does (trainer/perf/compile_keys.py). On 2
+    H200s (plain, 4 seeds of recipe=fastcnn_94) the first set-up began 3.0-3.3 s after Enter
+    instead of 4.6-4.7 s, and the parallel sweep took 12.2-12.5 s instead of 12.9-13.7 s; on a
+    2-core CPU the preload cost 1.4 s of CPU beside the sweep's start (README, "Sweeps on every
+    GPU"). A command served by `python -m trainer.serve` has inductor in its server already."""
     from trainer import forkserver
 
-    if forkserver.start_method(compiles=nvidia_driver_here()) == "forkserver":  # joblib's import can wait
+    if forkserver.start_method(compiles=False) == "forkserver":  # joblib's import can wait
         from joblib.externals.loky.backend.context import set_start_method
 
         set_start_method("forkserver", force=True)
