@@ -66,3 +66,15 @@ def test_a_missing_library_is_left_to_torch(monkeypatch):
 )
 def test_only_a_run_on_cuda_in_this_process(device, ddp, expected):
     assert cuda_driver.runs_here(device, ddp) is expected
+
+
+def test_a_process_that_started_the_driver_forks_no_server(driver, monkeypatch):
+    """torch does not know of a driver started through ctypes: the forkserver asks this module
+    before it would fork a server (for a later DDP job's ranks) from this process."""
+    from trainer import forkserver
+
+    monkeypatch.setattr(cuda_driver.Path, "exists", lambda self: True)
+    cuda_driver.start_ahead()
+    join_driver_thread()
+    assert cuda_driver.started()
+    assert not forkserver.forks_unmarked()

@@ -10,7 +10,8 @@ starts the driver without holding the lock, and importing torch first is what it
 Only in a process that is about to run on CUDA itself, once what CUDA may see is settled
 (CUDA_VISIBLE_DEVICES, read by cuInit: Hydra's job environment, a parallel job's GPU): a process
 that forks runs after starting the driver hands them a driver they cannot use (the server, the
-forkserver, a DDP launcher, the tuner never start it).
+forkserver, a DDP launcher, the tuner never start it; a sweep's process that did forks no
+server for a later DDP job: `started`).
 
 Owns: when the driver is started ahead. Must not touch: torch (not imported here).
 """
@@ -32,6 +33,12 @@ def start_ahead() -> None:
         return
     _started = True
     threading.Thread(target=initialize, name="cuda-driver", daemon=True).start()
+
+
+def started() -> bool:
+    """Whether this process started the driver ahead: a process forked from it could not use
+    CUDA, though torch, which did not start it, does not know (trainer/forkserver.py asks)."""
+    return _started
 
 
 def initialize() -> None:

@@ -130,10 +130,13 @@ def forks_unmarked() -> bool:
     forked after this one asked CUDA anything, even `torch.cuda.is_available()` (which a run
     asks when it picks its device) on a host without a GPU, while `torch.cuda.is_initialized()`
     stays False; a process so marked refuses CUDA. Nothing in torch tells the parent, so a
-    child forked to look says (milliseconds)."""
+    child forked to look says (milliseconds). Nor does torch know of the driver this process
+    started itself (trainer/cuda_driver.py)."""
     import torch
 
-    if torch.cuda.is_initialized():
+    from trainer import cuda_driver
+
+    if torch.cuda.is_initialized() or cuda_driver.started():
         return False
     read_end, write_end = os.pipe()
     pid = os.fork()

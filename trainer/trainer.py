@@ -153,6 +153,7 @@ class Trainer:
                 started = time.perf_counter()
                 self.run.finish(loop.train(self.parts, self.progress, self.run, self.evaluate, started))
         finally:
+            self.parts.autotuned()  # a run that failed in its warm-up leaves no thread timing cuDNN
             if self.parts.step_graph is not None:
                 self.parts.step_graph.release()
             if stopping is not None:  # done long since; the next job in this process may start a pool

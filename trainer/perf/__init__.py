@@ -15,7 +15,7 @@ A new toggle is a field in trainer/config.py and a few lines in the file of its 
   compile_workers.py  when torch.compile's compile-worker pool is stopped, and how
   compile_keys.py  torch's compile-cache keys worked out beside the set-up
   cuda_start.py  CUDA, cuDNN and cuBLAS started in a thread beside the set-up's imports
-  autotune_ahead.py  cuDNN's autotuning of the backward convolutions begun beside the first compile
+  autotune_ahead.py  cuDNN's autotuning of the backward convolutions begun beside the set-up
   ddp.py       how ranks average gradients (ddp_sync): DistributedDataParallel and its ddp_*
                communication toggles, or all_reduce.py's one all-reduce after backward
   step_graph.py forward, backward and gradient average as one CUDA graph (step_graph)
