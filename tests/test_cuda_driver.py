@@ -32,7 +32,7 @@ def join_driver_thread():
 
 
 def test_started_once_in_a_thread_where_a_driver_is_loaded(driver, monkeypatch):
-    monkeypatch.setattr(cuda_driver.Path, "exists", lambda self: str(self) == "/proc/driver/nvidia")
+    monkeypatch.setattr(cuda_driver, "loaded", lambda: True)
     cuda_driver.start_ahead()
     cuda_driver.start_ahead()
     join_driver_thread()
@@ -40,7 +40,7 @@ def test_started_once_in_a_thread_where_a_driver_is_loaded(driver, monkeypatch):
 
 
 def test_nothing_without_a_driver(driver, monkeypatch):
-    monkeypatch.setattr(cuda_driver.Path, "exists", lambda self: False)
+    monkeypatch.setattr(cuda_driver, "loaded", lambda: False)
     cuda_driver.start_ahead()
     join_driver_thread()
     assert driver == []
@@ -73,7 +73,7 @@ def test_a_process_that_started_the_driver_forks_no_server(driver, monkeypatch):
     before it would fork a server (for a later DDP job's ranks) from this process."""
     from trainer import forkserver
 
-    monkeypatch.setattr(cuda_driver.Path, "exists", lambda self: True)
+    monkeypatch.setattr(cuda_driver, "loaded", lambda: True)
     cuda_driver.start_ahead()
     join_driver_thread()
     assert cuda_driver.started()

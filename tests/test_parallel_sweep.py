@@ -360,12 +360,10 @@ def test_the_parents_gpu_count_reads_cuda_visible_devices_as_cuda_does():
     assert cuda_visible(1, "GPU-8a1e,GPU-77c0") == 1  # names count as listed, never past the GPUs
 
 
-@pytest.mark.parametrize("driver", [False, True], ids=["cpu-host", "gpu-host"])
-def test_the_workers_server_leaves_inductor_to_the_jobs(monkeypatch, driver):
+def test_the_workers_server_leaves_inductor_to_the_jobs(monkeypatch):
     from trainer import forkserver
 
     asked = []
-    monkeypatch.setattr(parallel_jobs, "nvidia_driver_here", lambda: driver)
     monkeypatch.setattr(forkserver, "start_method", lambda compiles=True: asked.append(compiles) or "spawn")
     parallel_jobs.workers_from_forkserver()
     assert asked == [False]

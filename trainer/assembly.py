@@ -6,7 +6,7 @@ Owns: what a run is made of. The seeds; the data (source, loader kind, the batch
 device gets them); the model as the step calls it; the optimizer at the peak lr scaled to the
 global batch, its schedule, the gradient scaler and the weight average; the autocast context;
 the step budget (epochs, max_steps, accumulation) and the evaluation plan. A new component
-is a field of `Parts` and a line in one of the builders below.
+is a field of `Parts` (trainer/parts.py) and a line in one of the builders below.
 Must not touch: the optimization toggles themselves (read and applied in trainer/perf/, whose
 results this file hands on), the run folder, checkpoints and signals (trainer/run.py), the
 order of work in an epoch or a step (trainer/loop.py), process groups (trainer/distributed.py).
@@ -19,8 +19,6 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -32,79 +30,14 @@ from trainer.data.augment import CropFlip
 from trainer.data.resolution import LowResEpochs
 from trainer.data.sources import ListingAhead
 from trainer.distributed import Ranks
-from trainer.ema import NoAverage, WeightAverage, weight_average
+from trainer.ema import weight_average
 from trainer.models import build_model, check_low_res, initialize_from_data, shapes_only
 from trainer.optim import build_optimizer, build_scheduler, logged_peak_lr
+from trainer.parts import Parts
 from trainer.preflight import no_cuda_device
 from trainer.timing import data_wait_timer
 
 log = logging.getLogger(__name__)
-
-Batch = tuple[torch.Tensor, torch.Tensor]
-ContextFactory = Callable[[], contextlib.AbstractContextManager]
-
-
-@dataclass
-class Parts:
-    """What one process trains with. The loop reads these and nothing else: no field is a setting
-    still to be decided."""
-
-    device: torch.device
-    ranks: Ranks
-    setup_data_s: float  # of the set-up, the data's part: read, decoded or from its cache, on the device
-    init_s: float  # of the set-up, the model's initialization from the data (a part of training)
-    # data: the loaders yield uint8 batches; the *_batches are them on the device, normalized
-    train_loader: object  # EpochLoader, GpuLoader or LowResEpochs: set_epoch(epoch, skip_batches) first
-    train_batches: Iterable[Batch]
-    test_batches: Iterable[Batch]
-    classes: list[str]
-    batch_size: int  # images per micro-batch in this process
-    images_per_micro_batch: int  # the same, over every process
-    batches_per_epoch: int  # micro-batches of a whole epoch (a resumed one skips some)
-    # model: raw_model holds the weights; model is what the step calls, (images, labels) -> (loss,
-    # correct), with the loss inside (channels_last, DDP or DataParallel, compile)
-    raw_model: nn.Module
-    model: nn.Module
-    ddp_model: nn.parallel.DistributedDataParallel | None
-    no_sync: ContextFactory  # around the micro-batches whose gradients are not all-reduced yet
-    # after the backward that ends an optimizer step (ddp_sync=after_backward)
-    average_gradients: Callable[[], None]
-    # forward, backward and average_gradients of the micro-batch that ends an optimizer step as
-    # one CUDA graph replay (step_graph=true), or None: the loop runs them one by one
-    step_graph: perf.StepGraph | None
-    sync_buffers: Callable[[], None]  # at each epoch's end: the same BatchNorm statistics on every rank
-    average: WeightAverage | NoAverage  # what is evaluated, checkpointed and exported
-    # the step
-    autocast: ContextFactory
-    scaler: torch.amp.GradScaler
-    optimizer: torch.optim.Optimizer
-    zero_grad: Callable[[], None]
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    lr_peak: float  # optim.lr scaled to the global batch
-    # length and cadence
-    epochs: int
-    total_steps: int  # optimizer steps of the whole run, max_steps included
-    grad_accum_steps: int
-    log_every: int  # optimizer steps between reads of the loss (one host sync each)
-    # evaluation plan
-    eval_plan: evaluation.Plan
-    tta_views: list[evaluation.View]
-    tta_unsure: float  # the share of each test batch the views are for (eval.tta_unsure)
-    evaluation_backend: ContextFactory  # cuDNN's heuristics, where the training autotunes
-    target_acc: float | None
-    # measuring and diagnosing
-    warm_up_steps: int  # trained and undone before the clock starts (compile, cuDNN autotuning)
-    cache_keys_ready: Callable[[], None]  # waits for torch's compile-cache keys, before the first compile
-    autotuned: Callable[[], None]  # waits for cuDNN's autotuning begun ahead, before CUDA graphs record
-    warm_up_work: str  # what those steps are for, for the run's log
-    low_res_epochs: int  # the first epochs train on smaller images: a second shape to warm up
-    mfu: mfu.Meter
-    timer: object  # trainer.timing's data-wait timer: wrap(batches), step_done(), wait_seconds()
-    synchronize: Callable[[], None]  # waits for the device (nothing on a CPU)
-    non_finite_advice: str  # what to change when the loss stops being finite
-    profile: bool  # trace a few steps with torch.profiler (the run writes the trace)
-    tb_x_per_step: int  # TensorBoard's x advances this much per optimizer step (tb_step)
-    description: str  # model and data in one line, for the run's log
 
 
 def nothing() -> None:
@@ -128,7 +61,6 @@ def assemble(cfg: TrainConfig, ranks: Ranks, device: torch.device) -> Parts:
     listing = begin_listing(cfg.data)  # the helper process first: it runs beside what follows
     cuda_ready, cache_keys_ready = perf.begin_ahead(cfg, device)  # beside the data's set-up
     splits, train_loader, train_batches, test_batches, setup_data_s = build_data(cfg, ranks, device, listing)
-    perf.begin_autotuning(cfg, device, lambda: build_model(shapes_only(cfg.model), len(splits.classes)))
     raw_model, model, ddp_model, step_graph, meter, init_s = build_network(cfg, ranks, device, splits)
     global_batch = cfg.batch_size * ranks.world_size * cfg.grad_accum_steps
     optimizer, lr_peak = step_optimizer(cfg, ranks, device, raw_model, global_batch)
@@ -170,11 +102,7 @@ def assemble(cfg: TrainConfig, ranks: Ranks, device: torch.device) -> Parts:
         tta_unsure=cfg.eval.tta_unsure,
         evaluation_backend=perf.evaluation_backend(device),
         target_acc=cfg.target_acc,
-        cache_keys_ready=cache_keys_ready,
-        autotuned=perf.autotune_ahead.wait,
-        warm_up_steps=perf.warm_up_steps(cfg, device, captured=step_graph is not None),
-        warm_up_work=perf.warm_up_work(cfg, device, captured=step_graph is not None),
-        low_res_epochs=cfg.data.low_res_epochs,
+        **warm_up_parts(cfg, device, step_graph is not None, cache_keys_ready),
         mfu=meter,
         timer=data_wait_timer(cfg.measure_data_wait, device.type),
         synchronize=torch.cuda.synchronize if device.type == "cuda" else (lambda: None),
@@ -183,6 +111,18 @@ def assemble(cfg: TrainConfig, ranks: Ranks, device: torch.device) -> Parts:
         tb_x_per_step=global_batch if cfg.tb_step is TbStep.images else 1,
         description=describe(cfg, splits),
     )
+
+
+def warm_up_parts(cfg: TrainConfig, device: torch.device, captured: bool, cache_keys_ready) -> dict:
+    """What the warm-up before the clock needs: its steps, what they are for, each image size to
+    warm up, and the waits for the work begun ahead (compile-cache keys, cuDNN's autotuning)."""
+    return {
+        "cache_keys_ready": cache_keys_ready,
+        "autotuned": perf.autotune_ahead.wait,
+        "warm_up_steps": perf.warm_up_steps(cfg, device, captured=captured),
+        "warm_up_work": perf.warm_up_work(cfg, device, captured=captured),
+        "low_res_epochs": cfg.data.low_res_epochs,
+    }
 
 
 def describe(cfg: TrainConfig, splits: Splits) -> str:
@@ -237,6 +177,7 @@ def build_data(
 def build_network(cfg: TrainConfig, ranks: Ranks, device: torch.device, splits: Splits) -> tuple:
     """(raw model, the model the step calls, the DDP wrapper or None, the step's CUDA graph or
     None, the MFU meter, the seconds the model's initialization from the data took)."""
+    perf.begin_autotuning(cfg, device, lambda: build_model(shapes_only(cfg.model), len(splits.classes)))
     if cfg.data.low_res:
         check_low_res(cfg.model, len(splits.classes), cfg.data.low_res)
     raw_model = build_model(cfg.model, num_classes=len(splits.classes))

@@ -26,10 +26,15 @@ from pathlib import Path
 _started = False
 
 
+def loaded() -> bool:
+    """Whether NVIDIA's driver is loaded on this host (its /proc entry), asked without CUDA."""
+    return Path("/proc/driver/nvidia").exists()
+
+
 def start_ahead() -> None:
     """cuInit in a daemon thread, once per process, where an NVIDIA driver is loaded."""
     global _started
-    if _started or not Path("/proc/driver/nvidia").exists():
+    if _started or not loaded():
         return
     _started = True
     threading.Thread(target=initialize, name="cuda-driver", daemon=True).start()

@@ -10,8 +10,8 @@ from __future__ import annotations
 import logging
 
 from trainer import tags
-from trainer.assembly import Parts
 from trainer.logging import RunLog, decimal, percent
+from trainer.parts import Parts
 from trainer.progress import Progress
 
 log = logging.getLogger("trainer.run")

@@ -28,10 +28,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from trainer import distributed, evaluation, tags
-from trainer.assembly import Parts
 from trainer.console import still_running
 from trainer.errors import Diverged
 from trainer.logging import percent
+from trainer.parts import Parts
 from trainer.progress import Progress
 
 if TYPE_CHECKING:

@@ -59,7 +59,7 @@ _worker_order: list[str] | None = None
 
 def nvidia_driver_here() -> bool:
     """Whether a GPU could be here: an NVIDIA driver loaded, or CUDA_VISIBLE_DEVICES set."""
-    return Path("/proc/driver/nvidia").exists() or "CUDA_VISIBLE_DEVICES" in os.environ
+    return cuda_driver.loaded() or "CUDA_VISIBLE_DEVICES" in os.environ
 
 
 def visible_gpus() -> int:
@@ -109,7 +109,7 @@ def default_jobs() -> int:
     """hydra.launcher.n_jobs when not given: one job per GPU, or 1 on a host without one. The
     count is read without torch where the management library answers; a count that differs from
     torch's only changes how many jobs wait for a GPU (each job takes a GPU torch sees)."""
-    count = nvml_gpu_count() if Path("/proc/driver/nvidia").exists() else None
+    count = nvml_gpu_count() if cuda_driver.loaded() else None
     if count is None:
         return max(1, visible_gpus())
     return max(1, cuda_visible(count, os.environ.get("CUDA_VISIBLE_DEVICES")))

@@ -30,7 +30,6 @@ import torch
 from omegaconf import OmegaConf
 
 from trainer import checkpoint, distributed, epoch_report, mfu, perf, timing
-from trainer.assembly import Parts
 from trainer.atomic import remove_leftovers
 from trainer.config import ExportFormat, TrainConfig
 from trainer.console import console_unless_configured
@@ -48,6 +47,7 @@ from trainer.logging import (
     shown_hparams,
     write_final_metrics,
 )
+from trainer.parts import Parts
 from trainer.progress import Progress
 
 log = logging.getLogger(__name__)

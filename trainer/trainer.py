@@ -25,12 +25,13 @@ from pathlib import Path
 import torch
 
 from trainer import checkpoint, distributed, loop, perf, run_lock, timing
-from trainer.assembly import Parts, assemble, resolve_device
+from trainer.assembly import assemble, resolve_device
 from trainer.config import TrainConfig, TrainerError, to_train_config
 from trainer.console import configure_rank_logging
 from trainer.distributed import Ranks
 from trainer.logging import record_rejected_config
 from trainer.loop import NonFiniteLoss, accumulation_plan  # noqa: F401 - importable from here, as before
+from trainer.parts import Parts
 from trainer.progress import Progress
 from trainer.run import Run
 
