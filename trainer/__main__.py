@@ -29,7 +29,16 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from trainer import bytecode, cuda_driver, parallel_jobs, process_exit, run_lock, sweep_checks, sweep_summary
+from trainer import (
+    bytecode,
+    cuda_driver,
+    parallel_jobs,
+    pool_ahead,
+    process_exit,
+    run_lock,
+    sweep_checks,
+    sweep_summary,
+)
 from trainer.cli_checks import CONF_DIR, check_command_line
 from trainer.cli_help import register_help
 from trainer.command_line import parallel_sweep_here, split_command_line
@@ -133,9 +142,11 @@ def main() -> None:
             # first: the server's imports overlap the checks and the sweep's start; a command
             # the checks refuse ends it with this process (forkserver.stop)
             parallel_jobs.workers_from_forkserver()
-        check_command_line(args)
+        composed = check_command_line(args)
         if sweep_checks.jobs_checked:
             sweep_checks.install()  # Hydra's sweeper would compose every job once more
+        if parallel_sweep_here(args):  # its workers start while Hydra composes the sweep again
+            pool_ahead.start_workers(composed.hydra.launcher, composed.device)
     except TrainerError as error:
         print(f"trainer: error: {error}", file=sys.stderr)
         sys.exit(2)

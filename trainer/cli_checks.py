@@ -37,8 +37,9 @@ CONF_DIR = PACKAGE_DIR / "conf" if (PACKAGE_DIR / "conf").is_dir() else PACKAGE_
 JOBS_CHECKED_WHOLE = 64
 
 
-def check_command_line(args: list[str]) -> None:
-    """The command line checked: one line per problem (ConfigError)."""
+def check_command_line(args: list[str]) -> DictConfig:
+    """The command line checked: one line per problem (ConfigError). Returns the config it
+    composes to, with Hydra's node (a sweep's: with its fixed overrides only)."""
     slip = override_slip(args)
     if slip is not None:
         raise ConfigError(f"{slip} (overrides take no dashes and no spaces around '=')")
@@ -62,12 +63,12 @@ def check_command_line(args: list[str]) -> None:
         check_output_folder(hydra_cfg, multirun)
         # a config's own sweep (hydra.sweeper.params) adds jobs the command line does not spell out
         sweep_checks.jobs_checked = every_job and not OmegaConf.select(hydra_cfg, "hydra.sweeper.params")
-    else:  # one composition for both checks
-        cfg = composed([*overrides, *hydra_overrides], hydra_config=True)
-        check_output_folder(cfg, multirun)
-        check_composition(
-            overrides, machine, OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"])
-        )
+        return hydra_cfg
+    # one composition for both checks
+    cfg = composed([*overrides, *hydra_overrides], hydra_config=True)
+    check_output_folder(cfg, multirun)
+    check_composition(overrides, machine, OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"]))
+    return cfg
 
 
 def check_sweep(overrides: list[str], machine: bool = True) -> tuple[list[str], list[TrainConfig], bool]:

@@ -22,7 +22,8 @@ reuses and stops); what it does not know about, this module adds around each job
     instead gets loky's own workers, which import all that themselves.
   - a worker's CUDA sees its first job's GPU as cuda:0, so that every GPU reads torch's one
     compile cache (`cuda_index`), and its driver starts as soon as that is set
-    (trainer/cuda_driver.py);
+    (trainer/cuda_driver.py), or before its first job where the pool started ahead with a
+    home GPU per worker (trainer/pool_ahead.py, `settle_on`);
 Owns: those seven. Must not touch: what a job trains (trainer/trainer.py), the run folder.
 No torch at import: the resolver runs in the parent, before any job.
 """
@@ -159,6 +160,15 @@ def cuda_index(gpus: int, slot: int) -> int:
     return _worker_order.index(_host_gpus[slot])
 
 
+def settle_on(gpus: int, slot: int) -> None:
+    """A worker's home GPU (trainer/pool_ahead.py) before its first job: what its CUDA sees is
+    set with that GPU first, the driver starts on it, and the first job asks for it first."""
+    global _last_gpu
+    _last_gpu = slot
+    cuda_index(gpus, slot)
+    cuda_driver.start_ahead()
+
+
 def threads_per_job(n_jobs: int) -> int:
     """Each job's torch threads on a CPU: the cores shared out, at least one."""
     return max(1, len(os.sched_getaffinity(0)) // max(1, n_jobs))
@@ -180,13 +190,8 @@ def gpu_slot(gpus: int, folder: Path | None = None, prefer: int | None = None) -
     order = sorted(range(gpus), key=lambda index: index != prefer)
     while True:
         for index in order:
-            descriptor = os.open(folder / f"gpu{index}.lock", os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as error:
-                os.close(descriptor)
-                if error.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
-                    raise
+            descriptor = locked(folder / f"gpu{index}.lock")
+            if descriptor is None:
                 continue
             try:
                 yield index
@@ -195,6 +200,20 @@ def gpu_slot(gpus: int, folder: Path | None = None, prefer: int | None = None) -
                 os.close(descriptor)
             return
         time.sleep(SLOT_WAIT_S)
+
+
+def locked(path: Path) -> int | None:
+    """A descriptor of `path` holding its exclusive flock, or None where another process holds
+    it (the lock ends when the descriptor is closed, or with the process)."""
+    descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as error:
+        os.close(descriptor)
+        if error.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+            raise
+        return None
+    return descriptor
 
 
 def stop_workers() -> None:

@@ -1,0 +1,98 @@
+"""A parallel sweep's pool started ahead (trainer/pool_ahead.py): the launcher reuses it, and each
+worker takes a GPU of its own as its home."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+
+import torch
+from conftest import restored_after_test
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+from joblib import Parallel, delayed
+
+from trainer import cuda_driver, forkserver, parallel_jobs, pool_ahead
+from trainer.cli_checks import CONF_DIR
+from trainer.config import register_schema
+
+
+def launcher_config(n_jobs: int):
+    register_schema()
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        cfg = compose(
+            "config",
+            overrides=["hydra/launcher=parallel", f"hydra.launcher.n_jobs={n_jobs}"],
+            return_hydra_config=True,
+        )
+    return cfg.hydra.launcher
+
+
+def test_the_launchers_pool_is_the_one_started_ahead():
+    """hydra-joblib-launcher's own Parallel call, as it makes it from the same config, runs its
+    jobs on the workers started ahead: none is started twice."""
+    launcher = launcher_config(2)
+    ahead = pool_ahead.warm_pool(launcher, gpus=0)
+    try:
+        assert len(set(ahead)) == 2  # one task per worker: each would take a home
+        from hydra_plugins.hydra_joblib_launcher._core import process_joblib_cfg
+
+        settings = instantiate(launcher).joblib  # the launcher's kwargs, as Hydra makes them
+        settings["backend"] = "loky"
+        process_joblib_cfg(settings)
+        jobs = Parallel(**settings)(delayed(os.getpid)() for _ in range(4))
+        assert set(jobs) <= set(ahead)
+    finally:
+        parallel_jobs.stop_workers()
+
+
+def test_one_job_at_a_time_starts_no_pool():
+    assert pool_ahead.warm_pool(launcher_config(1), gpus=0) == []
+
+
+def test_nothing_starts_ahead_without_a_preloaded_server_or_a_gpu(monkeypatch):
+    monkeypatch.setattr(pool_ahead, "warm_pool", lambda *args, **kwargs: [1, 2])
+    monkeypatch.setattr(cuda_driver, "loaded", lambda: True)
+    monkeypatch.setattr(forkserver, "starts_at_once", lambda: False)
+    assert pool_ahead.start_workers(launcher_config(2), "auto") == []
+    monkeypatch.setattr(forkserver, "starts_at_once", lambda: True)
+    assert pool_ahead.start_workers(launcher_config(2), "cpu") == []
+    assert pool_ahead.start_workers(launcher_config(2), "cuda") == [1, 2]
+    monkeypatch.setattr(cuda_driver, "loaded", lambda: False)
+    assert pool_ahead.start_workers(launcher_config(2), "auto") == []
+
+
+def held_home(folder, answers, release) -> None:
+    answers.put(pool_ahead.free_gpu(2, folder))
+    release.wait(30)  # holds the lock until the test has read every answer
+
+
+def test_each_worker_takes_a_home_of_its_own(tmp_path):
+    """Two GPUs: this process and one other each hold one; a third process finds none free."""
+    assert pool_ahead.free_gpu(2, tmp_path) == 0
+    context = multiprocessing.get_context("fork")
+    answers, release = context.Queue(), context.Event()
+    found = []
+    processes = [context.Process(target=held_home, args=(tmp_path, answers, release)) for _ in range(2)]
+    for process in processes:  # one after the other: the second asks while the first holds
+        process.start()
+        found.append(answers.get(timeout=30))
+    release.set()
+    for process in processes:
+        process.join(timeout=30)
+    assert found == [1, None]
+
+
+def test_a_home_is_what_the_workers_cuda_sees_first_and_its_jobs_ask_for(monkeypatch):
+    started = []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(cuda_driver, "start_ahead", lambda: started.append(True))
+    monkeypatch.setattr(parallel_jobs, "_worker_order", None)
+    monkeypatch.setattr(parallel_jobs, "_last_gpu", None)
+    restored_after_test(monkeypatch, "CUDA_VISIBLE_DEVICES")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    parallel_jobs.settle_on(2, 1)
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "1,0"
+    assert started == [True]
+    assert parallel_jobs._last_gpu == 1  # the first job's gpu_slot asks for it first
+    assert parallel_jobs.cuda_index(2, 1) == 0

@@ -1,0 +1,97 @@
+"""A parallel sweep's workers started while the sweep's process is still starting, each with a
+GPU of its own and CUDA's driver started on it.
+
+A worker's first job started CUDA's driver only once the job held its GPU: `cuInit`, 0.39-0.52
+s between the job's start and its set-up on 2 H200s (README, "Sweeps on every GPU"). Where the
+sweep's forkserver starts with the trainer imported already (a command served by
+`python -m trainer.serve`: trainer/forkserver.py, `starts_at_once`), the pool's workers can
+start as soon as the command line has passed its checks, while Hydra composes the sweep once
+more. Each worker then takes a GPU as its home (a host-wide lock per GPU, held while the worker
+lives; another sweep's workers take others), makes it the first GPU its CUDA sees and starts the
+driver in a thread (`take_home`); its jobs ask for that GPU first
+(trainer/parallel_jobs.py, `settle_on`).
+
+The pool is joblib's reusable one, started by a Parallel call with the launcher's own settings:
+hydra-joblib-launcher's Parallel call then finds it and reuses it, as joblib does for a loky
+pool whose settings are unchanged, so no worker starts twice (tests/test_pool_ahead.py checks
+that it is the same pool). Where a worker never comes, the others stop waiting for it after
+ARRIVAL_WAIT_S and its jobs start the driver as before.
+
+Owns: when the pool starts ahead, the workers' homes. Must not touch: the jobs (parallel_jobs).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from trainer import cuda_driver, forkserver, parallel_jobs
+
+# How long a worker's first task waits for the others' (so that each worker takes one task, and
+# with it a home): a worker forked from a server holding the preload starts in milliseconds.
+ARRIVAL_WAIT_S = 2.0
+_home: int | None = None  # this worker's GPU, whose lock it holds (its descriptor stays open)
+
+
+def start_workers(launcher: DictConfig, jobs_device: str) -> list[int]:
+    """The pool's workers started now, one home each, where they start at once (the server holds
+    the preload), the jobs run on CUDA here and an NVIDIA driver is loaded. Returns their pids
+    (none where it does nothing)."""
+    if not (forkserver.starts_at_once() and cuda_driver.loaded()):
+        return []
+    if not (jobs_device == "auto" or jobs_device.startswith("cuda")):
+        return []
+    return warm_pool(launcher, gpus=None)
+
+
+def warm_pool(launcher: DictConfig, gpus: int | None) -> list[int]:
+    """One task per worker of a joblib pool made as the launcher makes its own (`launcher`:
+    hydra.launcher), each worker taking a home among `gpus` (None: the GPUs it sees)."""
+    from hydra_plugins.hydra_joblib_launcher._core import process_joblib_cfg
+    from joblib import Parallel, delayed
+
+    settings = OmegaConf.to_container(launcher, resolve=True)
+    settings.pop("_target_", None)
+    settings["backend"] = "loky"  # as the launcher sets it
+    process_joblib_cfg(settings)
+    workers = int(settings["n_jobs"])
+    if workers < 2:
+        return []  # one job at a time: joblib runs it in the sweep's own process
+    arrivals = Path(tempfile.mkdtemp(prefix="trainer-pool-"))
+    try:
+        return Parallel(**settings)(delayed(take_home)(gpus, str(arrivals), workers) for _ in range(workers))
+    finally:
+        shutil.rmtree(arrivals, ignore_errors=True)
+
+
+def take_home(gpus: int | None, arrivals: str, workers: int) -> int:
+    """In a worker: a home among the GPUs, where one is free, then a wait for the pool's other
+    workers to take a task each. Returns the worker's pid."""
+    from trainer.forkserver import follow_the_caller
+
+    follow_the_caller()  # a worker ends with the sweep from now on, as in a job
+    global _home
+    gpus = parallel_jobs.visible_gpus() if gpus is None else gpus
+    if _home is None and gpus:
+        _home = free_gpu(gpus, parallel_jobs.slot_folder())
+        if _home is not None:
+            parallel_jobs.settle_on(gpus, _home)
+    with open(Path(arrivals) / "arrived", "ab") as arrived:
+        arrived.write(b".")
+    deadline = time.monotonic() + ARRIVAL_WAIT_S
+    while (Path(arrivals) / "arrived").stat().st_size < workers and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return os.getpid()
+
+
+def free_gpu(gpus: int, folder: Path) -> int | None:
+    """The first GPU no other worker has as its home, its lock taken for this process's life."""
+    for index in range(gpus):
+        if parallel_jobs.locked(folder / f"home{index}.lock") is not None:
+            return index  # the descriptor stays open: the lock ends with the process
+    return None
