@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import tempfile
+from pathlib import Path
 
 import torch
 from conftest import restored_after_test
@@ -32,9 +34,11 @@ def test_the_launchers_pool_is_the_one_started_ahead():
     """hydra-joblib-launcher's own Parallel call, as it makes it from the same config, runs its
     jobs on the workers started ahead: none is started twice."""
     launcher = launcher_config(2)
-    ahead = pool_ahead.warm_pool(launcher, gpus=0)
+    before = set(Path(tempfile.gettempdir()).glob("trainer-pool-*"))
+    ahead = list(pool_ahead.warm_pool(launcher, gpus=0))
     try:
         assert len(set(ahead)) == 2  # one task per worker: each would take a home
+        assert set(Path(tempfile.gettempdir()).glob("trainer-pool-*")) <= before  # the barrier's file
         from hydra_plugins.hydra_joblib_launcher._core import process_joblib_cfg
 
         settings = instantiate(launcher).joblib  # the launcher's kwargs, as Hydra makes them
@@ -47,19 +51,25 @@ def test_the_launchers_pool_is_the_one_started_ahead():
 
 
 def test_one_job_at_a_time_starts_no_pool():
-    assert pool_ahead.warm_pool(launcher_config(1), gpus=0) == []
+    assert pool_ahead.warm_pool(launcher_config(1), gpus=0) is None
 
 
 def test_nothing_starts_ahead_without_a_preloaded_server_or_a_gpu(monkeypatch):
-    monkeypatch.setattr(pool_ahead, "warm_pool", lambda *args, **kwargs: [1, 2])
+    def started(launcher, jobs_device) -> bool:
+        monkeypatch.setattr(pool_ahead, "_warming", None)
+        pool_ahead.start_workers(launcher, jobs_device)
+        return pool_ahead._warming is not None
+
+    monkeypatch.setattr(pool_ahead, "warm_pool", lambda *args, **kwargs: iter([1, 2]))
     monkeypatch.setattr(cuda_driver, "loaded", lambda: True)
     monkeypatch.setattr(forkserver, "starts_at_once", lambda: False)
-    assert pool_ahead.start_workers(launcher_config(2), "auto") == []
+    launcher = launcher_config(2)
+    assert not started(launcher, "auto")
     monkeypatch.setattr(forkserver, "starts_at_once", lambda: True)
-    assert pool_ahead.start_workers(launcher_config(2), "cpu") == []
-    assert pool_ahead.start_workers(launcher_config(2), "cuda") == [1, 2]
+    assert not started(launcher, "cpu")
+    assert started(launcher, "cuda")
     monkeypatch.setattr(cuda_driver, "loaded", lambda: False)
-    assert pool_ahead.start_workers(launcher_config(2), "auto") == []
+    assert not started(launcher, "auto")
 
 
 def held_home(folder, answers, release) -> None:

@@ -5,10 +5,10 @@ A worker's first job started CUDA's driver only once the job held its GPU: `cuIn
 s between the job's start and its set-up on 2 H200s (README, "Sweeps on every GPU"). Where the
 sweep's forkserver starts with the trainer imported already (a command served by
 `python -m trainer.serve`: trainer/forkserver.py, `starts_at_once`), the pool's workers can
-start as soon as the command line has passed its checks, while Hydra composes the sweep once
-more. Each worker then takes a GPU as its home (a host-wide lock per GPU, held while the worker
-lives; another sweep's workers take others), makes it the first GPU its CUDA sees and starts the
-driver in a thread (`take_home`); its jobs ask for that GPU first
+start as soon as the command line has passed its checks, in the background, while Hydra
+composes the sweep once more. Each worker then takes a GPU as its home (a host-wide lock per
+GPU, held while the worker lives; another sweep's workers take others), makes it the first GPU
+its CUDA sees and starts the driver in a thread (`take_home`); its jobs ask for that GPU first
 (trainer/parallel_jobs.py, `settle_on`).
 
 The pool is joblib's reusable one, started by a Parallel call with the launcher's own settings:
@@ -22,10 +22,11 @@ Owns: when the pool starts ahead, the workers' homes. Must not touch: the jobs (
 
 from __future__ import annotations
 
+import contextlib
 import os
-import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -36,22 +37,26 @@ from trainer import cuda_driver, forkserver, parallel_jobs
 # with it a home): a worker forked from a server holding the preload starts in milliseconds.
 ARRIVAL_WAIT_S = 2.0
 _home: int | None = None  # this worker's GPU, whose lock it holds (its descriptor stays open)
+_warming: Iterator[int] | None = None  # kept: joblib cancels a generator's tasks once it is dropped
 
 
-def start_workers(launcher: DictConfig, jobs_device: str) -> list[int]:
-    """The pool's workers started now, one home each, where they start at once (the server holds
-    the preload), the jobs run on CUDA here and an NVIDIA driver is loaded. Returns their pids
-    (none where it does nothing)."""
+def start_workers(launcher: DictConfig, jobs_device: str) -> None:
+    """The pool's workers started now, in the background, one home each, where they start at
+    once (the server holds the preload), the jobs run on CUDA here and an NVIDIA driver is
+    loaded."""
+    global _warming
     if not (forkserver.starts_at_once() and cuda_driver.loaded()):
-        return []
-    if not (jobs_device == "auto" or jobs_device.startswith("cuda")):
-        return []
-    return warm_pool(launcher, gpus=None)
+        return
+    if jobs_device == "auto" or jobs_device.startswith("cuda"):
+        _warming = warm_pool(launcher, gpus=None)
 
 
-def warm_pool(launcher: DictConfig, gpus: int | None) -> list[int]:
+def warm_pool(launcher: DictConfig, gpus: int | None) -> Iterator[int] | None:
     """One task per worker of a joblib pool made as the launcher makes its own (`launcher`:
-    hydra.launcher), each worker taking a home among `gpus` (None: the GPUs it sees)."""
+    hydra.launcher), each worker taking a home among `gpus` (None: the GPUs it sees). Returns at
+    once, the workers' pids to come (joblib's generator: it dispatches the tasks in a thread of
+    its own, while this process goes on with Hydra), or None for one job at a time (joblib runs
+    it in the sweep's own process)."""
     from hydra_plugins.hydra_joblib_launcher._core import process_joblib_cfg
     from joblib import Parallel, delayed
 
@@ -61,17 +66,17 @@ def warm_pool(launcher: DictConfig, gpus: int | None) -> list[int]:
     process_joblib_cfg(settings)
     workers = int(settings["n_jobs"])
     if workers < 2:
-        return []  # one job at a time: joblib runs it in the sweep's own process
-    arrivals = Path(tempfile.mkdtemp(prefix="trainer-pool-"))
-    try:
-        return Parallel(**settings)(delayed(take_home)(gpus, str(arrivals), workers) for _ in range(workers))
-    finally:
-        shutil.rmtree(arrivals, ignore_errors=True)
+        return None
+    descriptor, arrivals = tempfile.mkstemp(prefix="trainer-pool-")
+    os.close(descriptor)
+    tasks = (delayed(take_home)(gpus, arrivals, workers) for _ in range(workers))
+    return Parallel(**settings, return_as="generator_unordered")(tasks)
 
 
 def take_home(gpus: int | None, arrivals: str, workers: int) -> int:
     """In a worker: a home among the GPUs, where one is free, then a wait for the pool's other
-    workers to take a task each. Returns the worker's pid."""
+    workers to take a task each (`arrivals`: a file each task adds a byte to; the first task to
+    leave removes it). Returns the worker's pid."""
     from trainer.forkserver import follow_the_caller
 
     follow_the_caller()  # a worker ends with the sweep from now on, as in a job
@@ -81,11 +86,15 @@ def take_home(gpus: int | None, arrivals: str, workers: int) -> int:
         _home = free_gpu(gpus, parallel_jobs.slot_folder())
         if _home is not None:
             parallel_jobs.settle_on(gpus, _home)
-    with open(Path(arrivals) / "arrived", "ab") as arrived:
-        arrived.write(b".")
     deadline = time.monotonic() + ARRIVAL_WAIT_S
-    while (Path(arrivals) / "arrived").stat().st_size < workers and time.monotonic() < deadline:
-        time.sleep(0.005)
+    with contextlib.suppress(FileNotFoundError):  # gone: every task has arrived, or given up
+        descriptor = os.open(arrivals, os.O_WRONLY | os.O_APPEND)
+        os.write(descriptor, b".")
+        os.close(descriptor)
+        while os.stat(arrivals).st_size < workers and time.monotonic() < deadline:
+            time.sleep(0.005)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(arrivals)
     return os.getpid()
 
 
