@@ -6,6 +6,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -106,3 +107,23 @@ def test_a_home_is_what_the_workers_cuda_sees_first_and_its_jobs_ask_for(monkeyp
     assert started == [True]
     assert parallel_jobs._last_gpu == 1  # the first job's gpu_slot asks for it first
     assert parallel_jobs.cuda_index(2, 1) == 0
+
+
+def test_a_worker_with_a_home_starts_cuda_there_before_its_first_job(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(pool_ahead, "_home", None)
+    monkeypatch.setattr(parallel_jobs, "slot_folder", lambda: tmp_path)
+    monkeypatch.setattr(parallel_jobs, "settle_on", lambda gpus, slot: calls.append(("home", slot)))
+    monkeypatch.setattr(pool_ahead, "start_cuda_on_home", lambda: calls.append("cuda"))
+    monkeypatch.setattr(forkserver, "follow_the_caller", lambda: None)
+    arrivals = tmp_path / "arrivals"
+    arrivals.touch()
+    assert pool_ahead.take_home(2, str(arrivals), 1) == os.getpid()
+    for _ in range(200):  # the context starts in a thread of its own
+        if "cuda" in calls:
+            break
+        time.sleep(0.01)
+    assert calls == [("home", 0), "cuda"]
+    assert not arrivals.exists()  # the last task to leave removes the barrier's file
+    pool_ahead.take_home(2, str(arrivals), 1)  # a worker keeps its home: nothing starts twice
+    assert calls == [("home", 0), "cuda"]
