@@ -1,17 +1,18 @@
 """A parallel sweep's workers started while the sweep's process is still starting, each with a
-GPU of its own and CUDA's driver started on it.
+GPU of its own and CUDA started on it.
 
-A worker's first job started CUDA's driver only once the job held its GPU: `cuInit`, 0.39-0.52
-s between the job's start and its set-up on 2 H200s (README, "Sweeps on every GPU"). Where the
+A worker's first job started CUDA's driver and context only once the job held its GPU: on 2
+H200s the context's start (with cuDNN's and cuBLAS's libraries) took 0.92 s of a first job's
+set-up, the driver's 0.05 s (a traced served sweep, README, "Sweeps on every GPU"). Where the
 sweep's forkserver starts with the trainer imported already (a command served by
-`python -m trainer.serve`: trainer/forkserver.py, `starts_at_once`), the pool's workers can
-start as soon as the command line has passed its checks, in the background, while Hydra
+`python -m trainer.serve`: trainer/forkserver.py, `starts_at_once`), the pool's workers start
+instead as soon as the command line has passed its checks, in the background, while Hydra
 composes the sweep once more. Each worker then takes a GPU as its home (a host-wide lock per
 GPU, held while the worker lives; another sweep's workers take others), makes it the first GPU
-its CUDA sees and starts the driver, then CUDA's context with cuDNN and cuBLAS, in threads
-(`take_home`); its jobs ask for that GPU first (trainer/parallel_jobs.py, `settle_on`). On 2
-H200s the driver's start took 0.05 s there, and the context's, which a first job's set-up waited
-for, 0.92 s (a traced served sweep, README, "Sweeps on every GPU").
+its CUDA sees and starts the driver, then the context with cuDNN and cuBLAS, in threads
+(`take_home`); its jobs ask for that GPU first (trainer/parallel_jobs.py, `settle_on`). Not
+where the server still imports its preload: joblib's first dispatch waits for the server, and
+the sweep's process with it (2.5 s on a 2-core CPU), instead of composing meanwhile.
 
 The pool is joblib's reusable one, started by a Parallel call with the launcher's own settings:
 hydra-joblib-launcher's Parallel call then finds it and reuses it, as joblib does for a loky
