@@ -14,6 +14,7 @@ from conftest import restored_after_test
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from joblib import Parallel, delayed
+from omegaconf import OmegaConf
 
 from trainer import cuda_driver, forkserver, parallel_jobs, pool_ahead
 from trainer.cli_checks import CONF_DIR
@@ -56,21 +57,29 @@ def test_one_job_at_a_time_starts_no_pool():
 
 
 def test_nothing_starts_ahead_without_a_preloaded_server_or_a_gpu(monkeypatch):
-    def started(launcher, jobs_device) -> bool:
+    asked = []
+
+    def started(device: str, deterministic: bool = False) -> bool:
         monkeypatch.setattr(pool_ahead, "_warming", None)
-        pool_ahead.start_workers(launcher, jobs_device)
+        composed = OmegaConf.create({"device": device, "deterministic": deterministic})
+        composed.hydra = {"launcher": launcher_config(2)}
+        pool_ahead.start_workers(composed)
         return pool_ahead._warming is not None
 
-    monkeypatch.setattr(pool_ahead, "warm_pool", lambda *args, **kwargs: iter([1, 2]))
+    def warm_pool(launcher, gpus, context):
+        asked.append(context)
+        return iter([1, 2])
+
+    monkeypatch.setattr(pool_ahead, "warm_pool", warm_pool)
     monkeypatch.setattr(cuda_driver, "loaded", lambda: True)
     monkeypatch.setattr(forkserver, "starts_at_once", lambda: False)
-    launcher = launcher_config(2)
-    assert not started(launcher, "auto")
+    assert not started("auto")
     monkeypatch.setattr(forkserver, "starts_at_once", lambda: True)
-    assert not started(launcher, "cpu")
-    assert started(launcher, "cuda")
+    assert not started("cpu")
+    assert started("cuda") and started("auto") and started("cuda:0", deterministic=True)
+    assert asked == [True, True, False]  # deterministic jobs: the driver only, no convolution
     monkeypatch.setattr(cuda_driver, "loaded", lambda: False)
-    assert not started(launcher, "auto")
+    assert not started("auto")
 
 
 def held_home(folder, answers, release) -> None:
@@ -118,7 +127,7 @@ def test_a_worker_with_a_home_starts_cuda_there_before_its_first_job(tmp_path, m
     monkeypatch.setattr(forkserver, "follow_the_caller", lambda: None)
     arrivals = tmp_path / "arrivals"
     arrivals.touch()
-    assert pool_ahead.take_home(2, str(arrivals), 1) == os.getpid()
+    assert pool_ahead.take_home(2, str(arrivals), 1, context=True) == os.getpid()
     for _ in range(200):  # the context starts in a thread of its own
         if "cuda" in calls:
             break

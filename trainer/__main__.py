@@ -146,7 +146,7 @@ def main() -> None:
         if sweep_checks.jobs_checked:
             sweep_checks.install()  # Hydra's sweeper would compose every job once more
         if parallel_sweep_here(args):  # its workers start while Hydra composes the sweep again
-            pool_ahead.start_workers(composed.hydra.launcher, composed.device)
+            pool_ahead.start_workers(composed)
     except TrainerError as error:
         print(f"trainer: error: {error}", file=sys.stderr)
         sys.exit(2)

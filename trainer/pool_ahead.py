@@ -44,20 +44,23 @@ _home: int | None = None  # this worker's GPU, whose lock it holds (its descript
 _warming: Iterator[int] | None = None  # kept: joblib cancels a generator's tasks once it is dropped
 
 
-def start_workers(launcher: DictConfig, jobs_device: str) -> None:
+def start_workers(composed: DictConfig) -> None:
     """The pool's workers started now, in the background, one home each, where they start at
     once (the server holds the preload), the jobs run on CUDA here and an NVIDIA driver is
-    loaded."""
+    loaded (`composed`: the sweep's config with Hydra's node, from the command line's checks).
+    Not CUDA's context where the jobs are deterministic: as in a run (trainer/perf/cuda_start.py),
+    no convolution or matmul before their switches are set."""
     global _warming
     if not (forkserver.starts_at_once() and cuda_driver.loaded()):
         return
-    if jobs_device == "auto" or jobs_device.startswith("cuda"):
-        _warming = warm_pool(launcher, gpus=None)
+    if composed.device == "auto" or composed.device.startswith("cuda"):
+        _warming = warm_pool(composed.hydra.launcher, gpus=None, context=not composed.deterministic)
 
 
-def warm_pool(launcher: DictConfig, gpus: int | None) -> Iterator[int] | None:
+def warm_pool(launcher: DictConfig, gpus: int | None, context: bool = True) -> Iterator[int] | None:
     """One task per worker of a joblib pool made as the launcher makes its own (`launcher`:
-    hydra.launcher), each worker taking a home among `gpus` (None: the GPUs it sees). Returns at
+    hydra.launcher), each worker taking a home among `gpus` (None: the GPUs it sees) and, with
+    `context`, starting CUDA's context there. Returns at
     once, the workers' pids to come (joblib's generator: it dispatches the tasks in a thread of
     its own, while this process goes on with Hydra), or None for one job at a time (joblib runs
     it in the sweep's own process)."""
@@ -73,12 +76,13 @@ def warm_pool(launcher: DictConfig, gpus: int | None) -> Iterator[int] | None:
         return None
     descriptor, arrivals = tempfile.mkstemp(prefix="trainer-pool-")
     os.close(descriptor)
-    tasks = (delayed(take_home)(gpus, arrivals, workers) for _ in range(workers))
+    tasks = (delayed(take_home)(gpus, arrivals, workers, context) for _ in range(workers))
     return Parallel(**settings, return_as="generator_unordered")(tasks)
 
 
-def take_home(gpus: int | None, arrivals: str, workers: int) -> int:
-    """In a worker: a home among the GPUs, where one is free, then a wait for the pool's other
+def take_home(gpus: int | None, arrivals: str, workers: int, context: bool = True) -> int:
+    """In a worker: a home among the GPUs, where one is free (CUDA's driver, and with `context`
+    its context, started there), then a wait for the pool's other
     workers to take a task each (`arrivals`: a file each task adds a byte to; the first task to
     leave removes it). Returns the worker's pid."""
     from trainer.forkserver import follow_the_caller
@@ -90,7 +94,8 @@ def take_home(gpus: int | None, arrivals: str, workers: int) -> int:
         _home = free_gpu(gpus, parallel_jobs.slot_folder())
         if _home is not None:
             parallel_jobs.settle_on(gpus, _home)
-            threading.Thread(target=start_cuda_on_home, name="cuda-home", daemon=True).start()
+            if context:
+                threading.Thread(target=start_cuda_on_home, name="cuda-home", daemon=True).start()
     deadline = time.monotonic() + ARRIVAL_WAIT_S
     with contextlib.suppress(FileNotFoundError):  # gone: every task has arrived, or given up
         descriptor = os.open(arrivals, os.O_WRONLY | os.O_APPEND)
