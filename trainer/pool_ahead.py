@@ -60,10 +60,9 @@ def start_workers(composed: DictConfig) -> None:
 def warm_pool(launcher: DictConfig, gpus: int | None, context: bool = True) -> Iterator[int] | None:
     """One task per worker of a joblib pool made as the launcher makes its own (`launcher`:
     hydra.launcher), each worker taking a home among `gpus` (None: the GPUs it sees) and, with
-    `context`, starting CUDA's context there. Returns at
-    once, the workers' pids to come (joblib's generator: it dispatches the tasks in a thread of
-    its own, while this process goes on with Hydra), or None for one job at a time (joblib runs
-    it in the sweep's own process)."""
+    `context`, starting CUDA's context there. Returns at once, the workers' pids to come
+    (joblib's generator: it dispatches the tasks in a thread of its own, while this process goes
+    on with Hydra), or None for one job at a time (joblib runs it in the sweep's own process)."""
     from hydra_plugins.hydra_joblib_launcher._core import process_joblib_cfg
     from joblib import Parallel, delayed
 
@@ -82,12 +81,10 @@ def warm_pool(launcher: DictConfig, gpus: int | None, context: bool = True) -> I
 
 def take_home(gpus: int | None, arrivals: str, workers: int, context: bool = True) -> int:
     """In a worker: a home among the GPUs, where one is free (CUDA's driver, and with `context`
-    its context, started there), then a wait for the pool's other
-    workers to take a task each (`arrivals`: a file each task adds a byte to; the first task to
-    leave removes it). Returns the worker's pid."""
-    from trainer.forkserver import follow_the_caller
-
-    follow_the_caller()  # a worker ends with the sweep from now on, as in a job
+    its context, started there), then a wait for the pool's other workers to take a task each
+    (`arrivals`: a file each task adds a byte to; the first task to leave removes it). Returns
+    the worker's pid."""
+    forkserver.follow_the_caller()  # a worker ends with the sweep from now on, as in a job
     global _home
     gpus = parallel_jobs.visible_gpus() if gpus is None else gpus
     if _home is None and gpus:
@@ -111,7 +108,7 @@ def take_home(gpus: int | None, arrivals: str, workers: int, context: bool = Tru
 def start_cuda_on_home() -> None:
     """CUDA's context on the home GPU (cuda:0 here), with cuDNN's and cuBLAS's libraries loaded,
     before the worker's first job asks: the job's own start of them (trainer/perf/cuda_start.py)
-    took 0.92 s of its set-up on 2 H200s, and found them loaded. Float32, the default layout:
+    took 0.92 s of its set-up on 2 H200s; it then finds them started. Float32, the default layout:
     the libraries are what takes the time, the job's first kernels of its own precision load as
     it starts them. A failure here is the job's to report, in its own words."""
     import torch
