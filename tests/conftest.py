@@ -129,7 +129,7 @@ def ended(pid: int) -> bool:
     """Gone, or a zombie that no longer runs (its reaper may be slow, e.g. in a container)."""
     try:
         return "\nState:\tZ" in Path(f"/proc/{pid}/status").read_text()
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # reaped before, or between open and read
         return True
 
 
