@@ -1,10 +1,11 @@
 """CUDA's driver started in a thread while the run imports torch.
 
 A run's first question to CUDA (`torch.cuda.is_available()`, where the run's device is
-resolved) starts NVIDIA's driver, `cuInit`, and holds Python's lock while it does: 0.47 s on the
-main thread of each parallel sweep's worker on a 2-H200 host, after torch's imports (README,
-"Sweeps on every GPU"). Called through ctypes, which lets go of that lock, it runs beside the
-imports instead, and torch's own call then finds it done. By hand because torch has no call that
+resolved) starts NVIDIA's driver, `cuInit`, and holds Python's lock while it does. That call
+took 0.47 s on the main thread of each parallel sweep's worker on a 2-H200 host, after torch's
+imports; `cuInit` alone, through ctypes in a worker, 0.05 s on another pair (README, "Sweeps on
+every GPU"). Called through ctypes, which lets go of that lock, it runs beside the imports
+instead, and torch's own call then finds it done. By hand because torch has no call that
 starts the driver without holding the lock, and importing torch first is what it would overlap.
 
 Only in a process that is about to run on CUDA itself, once what CUDA may see is settled
