@@ -9,6 +9,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import restored_after_test
 from hydra import compose, initialize_config_dir
@@ -32,6 +33,16 @@ def launcher_config(n_jobs: int):
     return cfg.hydra.launcher
 
 
+def loky_settings(launcher) -> dict:
+    """The launcher's Parallel kwargs, as Hydra makes them."""
+    from hydra_plugins.hydra_joblib_launcher._core import process_joblib_cfg
+
+    settings = instantiate(launcher).joblib
+    settings["backend"] = "loky"
+    process_joblib_cfg(settings)
+    return settings
+
+
 def test_the_launchers_pool_is_the_one_started_ahead():
     """hydra-joblib-launcher's own Parallel call, as it makes it from the same config, runs its
     jobs on the workers started ahead: none is started twice."""
@@ -41,13 +52,35 @@ def test_the_launchers_pool_is_the_one_started_ahead():
     try:
         assert len(set(ahead)) == 2  # one task per worker: each would take a home
         assert set(Path(tempfile.gettempdir()).glob("trainer-pool-*")) <= before  # the barrier's file
-        from hydra_plugins.hydra_joblib_launcher._core import process_joblib_cfg
-
-        settings = instantiate(launcher).joblib  # the launcher's kwargs, as Hydra makes them
-        settings["backend"] = "loky"
-        process_joblib_cfg(settings)
-        jobs = Parallel(**settings)(delayed(os.getpid)() for _ in range(4))
+        jobs = Parallel(**loky_settings(launcher))(delayed(os.getpid)() for _ in range(4))
         assert set(jobs) <= set(ahead)
+    finally:
+        parallel_jobs.stop_workers()
+
+
+_grown: list[bytearray] = []
+
+
+def grow_and_wait() -> int:
+    """A job whose worker keeps 400 MB more than after its first task, as a training job keeps
+    CUDA's context, the data and torch's compiled code, and lasts past loky's check interval."""
+    _grown.append(bytearray(400 * 2**20))
+    time.sleep(1.2)
+    return os.getpid()
+
+
+def test_the_workers_started_ahead_run_the_later_jobs_too():
+    """loky measures a worker's memory after its first task and replaces a worker that has grown
+    300 MB beyond it since: after a task that takes a home, every first job would look like a
+    leak, and the later jobs would start cold in new workers (2 H100s: 1.6 s more per job)."""
+    pytest.importorskip("psutil", reason="loky checks its workers' memory only with psutil")
+    launcher = launcher_config(2)
+    ahead = set(pool_ahead.warm_pool(launcher, gpus=0))
+    try:
+        settings = loky_settings(launcher)
+        first = Parallel(**settings)(delayed(grow_and_wait)() for _ in range(2))
+        later = Parallel(**settings)(delayed(os.getpid)() for _ in range(4))
+        assert set(first) == ahead and set(later) <= ahead
     finally:
         parallel_jobs.stop_workers()
 
