@@ -1,5 +1,6 @@
-"""A parallel sweep's pool started ahead (trainer/pool_ahead.py): the launcher reuses it, and each
-worker takes a GPU of its own as its home."""
+"""A parallel sweep's pool started ahead (trainer/pool_ahead.py): the launcher reuses it, each
+worker takes a GPU of its own as its home, and a sweep's workers, started ahead or not, run its
+later jobs however much its earlier ones grew them (trainer/parallel_jobs.py, `keep_worker`)."""
 
 from __future__ import annotations
 
@@ -81,6 +82,27 @@ def test_the_workers_started_ahead_run_the_later_jobs_too():
         first = Parallel(**settings)(delayed(grow_and_wait)() for _ in range(2))
         later = Parallel(**settings)(delayed(os.getpid)() for _ in range(4))
         assert set(first) == ahead and set(later) <= ahead
+    finally:
+        parallel_jobs.stop_workers()
+
+
+def job(grow: bool) -> int:
+    """A parallel sweep's job on the CPU, as the launcher runs it in a worker."""
+    cfg = OmegaConf.create({"device": "cpu"})
+    with parallel_jobs.job_resources(cfg, 2):
+        return grow_and_wait() if grow else os.getpid()
+
+
+def test_a_job_larger_than_the_first_keeps_its_worker():
+    """Without a pool started ahead: a small first job, then one 400 MB larger (a sweep over
+    models), and the worker still runs the sweep's later jobs."""
+    pytest.importorskip("psutil", reason="loky checks its workers' memory only with psutil")
+    settings = loky_settings(launcher_config(2))
+    try:
+        first = Parallel(**settings)(delayed(job)(False) for _ in range(2))
+        Parallel(**settings)(delayed(job)(True) for _ in range(2))
+        later = Parallel(**settings)(delayed(job)(False) for _ in range(4))
+        assert set(later) <= set(first)
     finally:
         parallel_jobs.stop_workers()
 

@@ -85,7 +85,7 @@ def take_home(gpus: int | None, arrivals: str, workers: int, context: bool = Tru
     (`arrivals`: a file each task adds a byte to; the first task to leave removes it). Returns
     the worker's pid."""
     forkserver.follow_the_caller()  # a worker ends with the sweep from now on, as in a job
-    keep_after_growth()
+    parallel_jobs.keep_worker()
     global _home
     gpus = parallel_jobs.visible_gpus() if gpus is None else gpus
     if _home is None and gpus:
@@ -104,18 +104,6 @@ def take_home(gpus: int | None, arrivals: str, workers: int, context: bool = Tru
     with contextlib.suppress(FileNotFoundError):
         os.unlink(arrivals)
     return os.getpid()
-
-
-def keep_after_growth() -> None:
-    """This worker kept for the sweep's later jobs however much its first job grows it. With
-    psutil installed, loky takes a worker's memory after its first task as its size and replaces
-    a worker grown 300 MB beyond that, as leaking: with this task first, each first job's CUDA
-    context, data and compiled code read as a leak, and the later jobs started cold in new
-    workers (a traced sweep on 2 H100s: 1.6 s more set-up and compile each). loky has no setting
-    for its check; off, it collects garbage between tasks instead, as without psutil."""
-    from joblib.externals.loky import process_executor
-
-    process_executor._USE_PSUTIL = False
 
 
 def start_cuda_on_home() -> None:
