@@ -41,7 +41,7 @@ DEFAULT_SWEEP = [
 
 def run_sweep(launcher: list[str], sweep: list[str], folder: Path) -> dict:
     """One sweep in its own process: wall seconds, exit code, each job's images/s."""
-    env = {**os.environ, "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}"}
+    env = {**os.environ, "PYTHONPATH": repo_on_path(os.environ.get("PYTHONPATH", ""))}
     started, started_at = time.perf_counter(), time.time()
     result = subprocess.run(
         [sys.executable, "-m", "trainer", "-m", *launcher, *sweep, f"hydra.sweep.dir={folder}"],
@@ -58,6 +58,15 @@ def run_sweep(launcher: list[str], sweep: list[str], folder: Path) -> dict:
         jobs.append(job)
     tail = result.stderr.strip().splitlines()[-1:] if result.returncode else []
     return {"wall_s": wall, "returncode": result.returncode, "jobs": jobs, "tail": tail}
+
+
+def repo_on_path(path: str) -> str:
+    """PYTHONPATH with this checkout on it, unchanged where it is there already: a served sweep
+    runs forked from a server only where its environment, PYTHONPATH included, is the server's."""
+    entries = path.split(os.pathsep) if path else []
+    if any(Path(entry or ".").resolve() == REPO for entry in entries):
+        return path
+    return os.pathsep.join([str(REPO), *entries])
 
 
 EDGE_KEYS = ("written_at_s", "wall_s", "startup_s")  # a job record's figures sweep_edges reads
@@ -172,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     jobs = [job for runs in results.values() for run in runs for job in run["jobs"]]
     served = sum(bool(job.get("served")) for job in jobs)
     how = f"; {served} of {len(jobs)} jobs served by python -m trainer.serve" if served else ""
+    if os.environ.get("TRAINER_SERVE") == "1" and not served:
+        how = "; TRAINER_SERVE=1 but no job served: no server runs with this environment"
     per_launcher = f"{args.repeats} sweep(s) per launcher{warmed}{how}"
     print(f"\nsweep: {' '.join(sweep)}; {os.cpu_count()} cores, {per_launcher}")
     print()

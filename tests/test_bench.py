@@ -84,3 +84,13 @@ def test_a_sweeps_cost_before_and_after_its_jobs_comes_from_their_records():
     first, after = bench_sweep_launchers.sweep_edges({"wall_s": 26.0, "jobs": jobs})
     assert (round(first, 2), round(after, 2)) == (9.7, 0.5)
     assert bench_sweep_launchers.sweep_edges({"wall_s": 3.0, "jobs": [{"status": "failed"}]}) == (None, None)
+
+
+def test_the_sweeps_path_is_left_as_it_is_where_the_checkout_is_on_it():
+    """A served sweep is forked from a server only where its PYTHONPATH is the server's: the
+    bench adds this checkout to the path only where it is not on it already."""
+    here = str(REPO)
+    assert bench_sweep_launchers.repo_on_path(f"{here}:/site") == f"{here}:/site"
+    assert bench_sweep_launchers.repo_on_path(f"/site:{here}/") == f"/site:{here}/"
+    assert bench_sweep_launchers.repo_on_path("/site") == f"{here}:/site"
+    assert bench_sweep_launchers.repo_on_path("") == here
