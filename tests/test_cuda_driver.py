@@ -1,7 +1,11 @@
 """CUDA's driver started ahead (trainer/cuda_driver.py): once per process, only where a driver
 is loaded and the run itself uses CUDA, through ctypes (which lets go of Python's lock)."""
 
+import contextlib
+import site
 import threading
+import time
+from pathlib import Path
 
 import pytest
 
@@ -78,3 +82,42 @@ def test_a_process_that_started_the_driver_forks_no_server(driver, monkeypatch):
     join_driver_thread()
     assert cuda_driver.started()
     assert not forkserver.forks_unmarked()
+
+
+def large_library_not_loaded() -> Path | None:
+    """The largest shared library of the installed packages (torch's CUDA wheels bring some of
+    hundreds of MB) that this process has not loaded, at least 50 MB."""
+    loaded = Path("/proc/self/maps").read_text() if Path("/proc/self/maps").exists() else ""
+    found = [
+        path
+        for folder in map(Path, site.getsitepackages())
+        for path in folder.glob("nvidia/**/lib/*.so*")
+        if path.name not in loaded and path.stat().st_size >= 50 * 2**20
+    ]
+    return max(found, key=lambda path: path.stat().st_size, default=None)
+
+
+def test_a_library_loads_while_the_main_thread_goes_on():
+    """ctypes.CDLL's own dlopen holds Python's lock for as long as the loader works; `load`'s
+    lets the main thread (a run's imports) go on meanwhile."""
+    library = large_library_not_loaded()
+    if library is None:
+        pytest.skip("no shared library of 50 MB or more that this process has not loaded")
+    done, ticks = threading.Event(), 0
+
+    def load():
+        with contextlib.suppress(OSError):  # one that needs another first: loading is what counts
+            cuda_driver.load(str(library))
+        done.set()
+
+    thread = threading.Thread(target=load)
+    started = time.perf_counter()
+    thread.start()
+    while not done.is_set():
+        time.sleep(0.001)
+        ticks += 1
+    took = time.perf_counter() - started
+    thread.join()
+    if took < 0.02:
+        pytest.skip(f"{library.name} loaded in {took * 1000:.0f} ms: too soon to tell")
+    assert ticks >= 3  # held: 1, the tick before the loader took the lock

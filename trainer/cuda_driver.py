@@ -3,10 +3,12 @@
 A run's first question to CUDA (`torch.cuda.is_available()`, where the run's device is
 resolved) starts NVIDIA's driver, `cuInit`, and holds Python's lock while it does. That call
 took 0.47 s on the main thread of each parallel sweep's worker on a 2-H200 host, after torch's
-imports; `cuInit` alone, through ctypes in a worker, 0.05 s on another pair (README, "Sweeps on
-every GPU"). Called through ctypes, which lets go of that lock, it runs beside the imports
-instead, and torch's own call then finds it done. By hand because torch has no call that
-starts the driver without holding the lock, and importing torch first is what it would overlap.
+imports; loading libcuda and `cuInit` through ctypes in a worker, 0.05 s on another pair and
+0.28-0.47 s on a pair of H100s (README, "Sweeps on every GPU"). Called through ctypes, which
+lets go of that lock, and loaded through libc's dlopen, which then does too (`load`), it runs
+beside the imports instead, and torch's own call then finds it done. By hand because torch has
+no call that starts the driver without holding the lock, and importing torch first is what it
+would overlap.
 
 Only in a process that is about to run on CUDA itself, once what CUDA may see is settled
 (CUDA_VISIBLE_DEVICES, read by cuInit: Hydra's job environment, a parallel job's GPU): a process
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 import threading
 from pathlib import Path
 
@@ -49,7 +52,22 @@ def started() -> bool:
 
 def initialize() -> None:
     with contextlib.suppress(OSError, AttributeError):  # no libcuda: torch says so in its own words
-        ctypes.CDLL("libcuda.so.1").cuInit(0)
+        load("libcuda.so.1").cuInit(0)
+
+
+def load(name: str) -> ctypes.CDLL:
+    """The shared library `name`, its loading done without Python's lock. ctypes.CDLL's own
+    dlopen holds the lock while the loader works: the thread meant to start the driver beside
+    the imports stopped them for as long (on the 2-core CPU a 500 MB library held the main
+    thread 0.1 s). libc's dlopen called as a foreign function lets go of it, as ctypes does for
+    every foreign call; ctypes.CDLL then finds the library loaded. The handle stays open, as
+    ctypes leaves its own."""
+    with contextlib.suppress(AttributeError):  # no dlopen among the process's symbols: ctypes's alone
+        dlopen = ctypes.CDLL(None).dlopen
+        dlopen.restype = ctypes.c_void_p
+        dlopen.argtypes = (ctypes.c_char_p, ctypes.c_int)
+        dlopen(name.encode(), os.RTLD_NOW | os.RTLD_LOCAL)  # a failure is ctypes.CDLL's to report
+    return ctypes.CDLL(name)
 
 
 def runs_here(device: str, ddp: bool) -> bool:
