@@ -222,10 +222,11 @@ def keep_worker() -> None:
     worker grown 300 MB beyond it, as leaking: after a first task smaller than a job (a home,
     trainer/pool_ahead.py; a small model before a large one), the later jobs started cold in new
     workers (a traced sweep on 2 H100s: 1.6 s more set-up and compile each). loky has no setting
-    for its check; off, it collects garbage between tasks instead, as without psutil."""
+    for its check: its bound is raised past any growth. Turning psutil off in loky instead would
+    make it collect garbage between all tasks."""
     from joblib.externals.loky import process_executor
 
-    process_executor._USE_PSUTIL = False
+    process_executor._MAX_MEMORY_LEAK_SIZE = sys.maxsize
 
 
 def stop_workers() -> None:
