@@ -34,6 +34,11 @@ def test_flops_per_image_match_the_hand_count():
     assert mfu.flops_per_image(cnn, 10, (32, 3, 32, 32)) == CNN_FLOPS_PER_IMAGE == 66_484_224
     # ResNet-18 with the CIFAR stem: 3.33 GFLOP per training image; recomputation not counted.
     assert mfu.flops_per_image(resnet18, 10, (8, 3, 32, 32)) == 3_328_997_376
+    # counted as first counted with batch norm's layers in place: the same at every image size
+    fastcnn = to_train_config(compose_config("model=fastcnn")).model
+    assert mfu.flops_per_image(resnet18, 10, (8, 3, 24, 24)) == 1_872_574_464
+    assert mfu.flops_per_image(fastcnn, 10, (8, 3, 32, 32)) == 707_777_088
+    assert mfu.flops_per_image(fastcnn, 10, (8, 3, 24, 24)) == 369_116_736
 
 
 @pytest.mark.parametrize(
