@@ -618,6 +618,31 @@ def test_cuda_is_started_ahead_only_on_cuda_and_not_under_deterministic(monkeypa
     )
 
 
+def test_two_starts_of_cuda_in_one_process_run_one_after_the_other(monkeypatch):
+    """A worker's start on its home GPU and its first job's own start: the second waits, then
+    finds the libraries loaded, instead of loading them beside the first."""
+    import threading
+    import time
+
+    from trainer.perf import cuda_start
+
+    events = []
+
+    def start(device, dtype, layout):
+        events.append(("in", device))
+        time.sleep(0.2)  # the second start, begun meanwhile, would come in here without the lock
+        events.append(("out", device))
+
+    monkeypatch.setattr(cuda_start, "_start_cuda", start)
+    home = threading.Thread(target=cuda_start.start_cuda, args=("home", None, None))
+    home.start()
+    while not events:
+        time.sleep(0.005)
+    cuda_start.start_cuda("job", None, None)
+    home.join()
+    assert events == [("in", "home"), ("out", "home"), ("in", "job"), ("out", "job")]
+
+
 def test_a_device_is_made_current_without_starting_cuda_where_it_would_be_current_anyway(monkeypatch):
     """cuda:0 before CUDA's start is current once it starts: making it current would start CUDA
     on the main thread, ahead of the thread that starts it beside the set-up's imports."""
