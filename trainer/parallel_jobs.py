@@ -216,6 +216,16 @@ def locked(path: Path) -> int | None:
     return descriptor
 
 
+def serve_the_sweep() -> None:
+    """In a worker, at each of its tasks (a job, or its home: trainer/pool_ahead.py): a worker
+    forked from the server ends with the sweep, even one killed (forkserver.follow_the_caller),
+    and loky keeps it for the sweep's later jobs (`keep_worker`)."""
+    from trainer.forkserver import follow_the_caller
+
+    follow_the_caller()
+    keep_worker()
+
+
 def keep_worker() -> None:
     """This worker kept for the sweep's later jobs however much a job grows it. With psutil
     installed, loky takes a worker's memory after its first task as its size and replaces a
@@ -272,10 +282,7 @@ def job_resources(cfg: DictConfig, n_jobs: int | None) -> Iterator[tuple[DictCon
         return
     import torch
 
-    from trainer.forkserver import follow_the_caller
-
-    follow_the_caller()  # a worker forked from the server ends with the sweep, even one killed
-    keep_worker()
+    serve_the_sweep()
     multiprocessing.set_start_method(None, force=True)
     torch.set_num_threads(threads_per_job(n_jobs))
     gpus = visible_gpus() if cfg.device in ("auto", "cuda") else 0

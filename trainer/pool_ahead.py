@@ -84,8 +84,7 @@ def take_home(gpus: int | None, arrivals: str, workers: int, context: bool = Tru
     its context, started there), then a wait for the pool's other workers to take a task each
     (`arrivals`: a file each task adds a byte to; the first task to leave removes it). Returns
     the worker's pid."""
-    forkserver.follow_the_caller()  # a worker ends with the sweep from now on, as in a job
-    parallel_jobs.keep_worker()
+    parallel_jobs.serve_the_sweep()  # as in a job: it ends with the sweep, loky keeps it
     global _home
     gpus = parallel_jobs.visible_gpus() if gpus is None else gpus
     if _home is None and gpus:
