@@ -74,3 +74,26 @@ def test_nothing_starts_where_cudnn_does_not_autotune():
         small_model, torch.device("cpu"), [(2, 3, 8, 8)], lambda: None, torch.contiguous_format, ("c",)
     )
     assert autotune_ahead._running is None
+
+
+def test_the_copy_runs_in_the_runs_precision_without_autocast(monkeypatch):
+    """autocast's cache is one for the process under one lock, which its exit in this thread
+    held while waiting for Python's lock: the main thread, tracing under autocast, deadlocked."""
+    monkeypatch.setattr(autotune_ahead, "autotunes", lambda device: True)
+    seen, copies = [], []
+
+    def build() -> nn.Module:
+        model = small_model()
+        model[0].register_forward_pre_hook(
+            lambda module, inputs: seen.append(
+                (inputs[0].dtype, module.weight.dtype, torch.is_autocast_enabled("cpu"))
+            )
+        )
+        copies.append(model)
+        return model
+
+    cpu, bf16 = torch.device("cpu"), torch.bfloat16
+    autotune_ahead.begin(build, cpu, [(2, 3, 8, 8)], lambda: bf16, torch.channels_last, ("d",))
+    autotune_ahead.wait()
+    assert seen == [(torch.bfloat16, torch.bfloat16, False)]
+    assert copies[0][0].weight.grad is not None  # its backward ran, in that dtype

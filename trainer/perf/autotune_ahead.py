@@ -92,6 +92,12 @@ def train_once(
     dtype: Callable[[], torch.dtype | None],
     layout: torch.memory_format,
 ) -> None:
+    """The copy in the run's precision itself, not under autocast: the convolutions are the ones
+    autocast would run (its weights cast, its inputs in that dtype, in `layout`). autocast's cache
+    of cast weights is one for the process, under one lock. Leaving autocast here cleared it,
+    holding that lock, and freeing the cached weights waited for Python's lock; the main thread,
+    tracing the model under autocast, held Python's lock and waited for the cache's. One H200
+    (torch 2.11.0+cu130, 2026-11-28): 1 in 14 warm ResNet-18 runs hung in their warm-up."""
     try:
         on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
         with on_device:
@@ -99,13 +105,12 @@ def train_once(
             with torch.no_grad():
                 for tensor in [*twin.parameters(), *twin.buffers()]:
                     tensor.zero_()
-            twin = twin.to(memory_format=layout)
-            precision = dtype()
-            with torch.autocast(device.type, dtype=precision, enabled=precision is not None):
-                for shape in shapes:
-                    images = torch.zeros(shape, device=device).contiguous(memory_format=layout)
-                    labels = torch.zeros(shape[0], dtype=torch.long, device=device)
-                    F.cross_entropy(twin(images).float(), labels).backward()  # into the copy's gradients
+            precision = dtype() or torch.float32
+            twin = twin.to(memory_format=layout, dtype=precision)
+            for shape in shapes:
+                images = torch.zeros(shape, device=device, dtype=precision).contiguous(memory_format=layout)
+                labels = torch.zeros(shape[0], dtype=torch.long, device=device)
+                F.cross_entropy(twin(images).float(), labels).backward()  # into the copy's gradients
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
     except Exception:  # the run's own first steps autotune what this did not
