@@ -87,18 +87,20 @@ def test_the_copy_runs_in_the_runs_precision_without_autocast(monkeypatch):
 
     def build() -> nn.Module:
         model = small_model()
-        model[0].register_forward_pre_hook(
-            lambda module, inputs: seen.append(
-                (inputs[0].dtype, module.weight.dtype, torch.is_autocast_enabled("cpu"))
+        for layer in model[:2]:  # the convolution, then its batch norm
+            layer.register_forward_pre_hook(
+                lambda module, inputs: seen.append(
+                    (inputs[0].dtype, module.weight.dtype, torch.is_autocast_enabled("cpu"))
+                )
             )
-        )
         copies.append(model)
         return model
 
     cpu, bf16 = torch.device("cpu"), torch.bfloat16
     autotune_ahead.begin(build, cpu, [(2, 3, 8, 8)], lambda: bf16, torch.channels_last, ("d",))
     autotune_ahead.wait()
-    assert seen == [(torch.bfloat16, torch.bfloat16, False)]
+    # as autocast runs them: the convolution's weight cast, batch norm's left in fp32
+    assert seen == [(torch.bfloat16, torch.bfloat16, False), (torch.bfloat16, torch.float32, False)]
     assert copies[0][0].weight.grad is not None  # its backward ran, in that dtype
 
 

@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 _running: threading.Thread | None = None
 # What this process had timed ahead already (a sweep's later jobs in it): its caches still hold it.
 _timed: set[tuple] = set()
+BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 
 
 def begin(
@@ -93,7 +94,8 @@ def train_once(
     layout: torch.memory_format,
 ) -> None:
     """The copy in the run's precision itself, not under autocast: the convolutions are the ones
-    autocast would run (its weights cast, its inputs in that dtype, in `layout`). autocast's cache
+    autocast would run (their weights and inputs in that dtype, in `layout`; batch norm's weights
+    and statistics in fp32, which autocast does not cast). autocast's cache
     of cast weights is one for the process, under one lock. Leaving autocast here cleared it,
     holding that lock, and freeing the cached weights waited for Python's lock; the main thread,
     tracing the model under autocast, held Python's lock and waited for the cache's. One H200
@@ -107,6 +109,9 @@ def train_once(
                     tensor.zero_()
             precision = dtype() or torch.float32
             twin = twin.to(memory_format=layout, dtype=precision)
+            for module in twin.modules():  # as autocast leaves them: batch norm's own in fp32
+                if isinstance(module, BATCH_NORMS):
+                    module.float()
             for shape in shapes:
                 images = torch.zeros(shape, device=device, dtype=precision).contiguous(memory_format=layout)
                 labels = torch.zeros(shape[0], dtype=torch.long, device=device)
