@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 _running: threading.Thread | None = None
 # What this process had timed ahead already (a sweep's later jobs in it): its caches still hold it.
 _timed: set[tuple] = set()
+# Left in fp32 in the copy, as autocast leaves them in the run (train_once).
 BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 
 
@@ -95,11 +96,11 @@ def train_once(
 ) -> None:
     """The copy in the run's precision itself, not under autocast: the convolutions are the ones
     autocast would run (their weights and inputs in that dtype, in `layout`; batch norm's weights
-    and statistics in fp32, which autocast does not cast). autocast's cache
-    of cast weights is one for the process, under one lock. Leaving autocast here cleared it,
-    holding that lock, and freeing the cached weights waited for Python's lock; the main thread,
-    tracing the model under autocast, held Python's lock and waited for the cache's. One H200
-    (torch 2.11.0+cu130, 2026-11-28): 1 in 14 warm ResNet-18 runs hung in their warm-up."""
+    and statistics in fp32, which autocast does not cast). autocast's cache of cast weights is
+    one for the process, under one lock. Leaving autocast here cleared it, holding that lock, and
+    freeing the cached weights waited for Python's lock; the main thread, tracing the model under
+    autocast, held Python's lock and waited for the cache's. One H200 (torch 2.11.0+cu130,
+    2026-11-28): 2 of 17 warm ResNet-18 runs hung in their warm-up."""
     try:
         on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
         with on_device:
