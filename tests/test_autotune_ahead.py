@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+from conftest import HANG_GUARD_S, cli_environment
 from torch import nn
 
 from trainer.perf import autotune_ahead
@@ -141,7 +142,13 @@ def test_the_thread_never_deadlocks_a_main_thread_tracing_under_autocast():
     """With the copy under autocast, every such run on the 2-core CPU hung (8 of 8, within the
     first 100 passes where counted), as 2 of 17 ResNet-18 warm-ups did on an H200."""
     try:
-        done = subprocess.run([sys.executable, "-c", RACE], capture_output=True, text=True, timeout=240)
+        done = subprocess.run(
+            [sys.executable, "-c", RACE],
+            env=cli_environment(),
+            capture_output=True,
+            text=True,
+            timeout=HANG_GUARD_S,
+        )
     except subprocess.TimeoutExpired:
         pytest.fail("the main thread and the autotuning thread deadlocked (autocast's cache lock)")
     assert done.returncode == 0, done.stderr[-2000:]
