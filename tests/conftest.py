@@ -125,6 +125,21 @@ def run_cli(
     )
 
 
+def run_python(
+    code: str, *args: str, cwd: Path | None = None, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    """`python -c CODE ARGS` in a subprocess with the environment of `run_cli`, its output
+    captured as text."""
+    return subprocess.run(
+        [sys.executable, "-c", code, *args],
+        cwd=cwd,
+        env=cli_environment(env),
+        capture_output=True,
+        text=True,
+        timeout=HANG_GUARD_S,
+    )
+
+
 def ended(pid: int) -> bool:
     """Gone, or a zombie that no longer runs (its reaper may be slow, e.g. in a container)."""
     try:

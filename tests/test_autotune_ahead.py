@@ -3,11 +3,10 @@ the model built on the meta device, so the run's random numbers are as without i
 itself happens only on CUDA; here the thread runs on the CPU in its place."""
 
 import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import HANG_GUARD_S, cli_environment
+from conftest import run_python
 from torch import nn
 
 from trainer.perf import autotune_ahead
@@ -142,13 +141,7 @@ def test_the_thread_never_deadlocks_a_main_thread_tracing_under_autocast():
     """With the copy under autocast, every such run on the 2-core CPU hung (8 of 8, within the
     first 100 passes where counted), as 2 of 17 ResNet-18 warm-ups did on an H200."""
     try:
-        done = subprocess.run(
-            [sys.executable, "-c", RACE],
-            env=cli_environment(),
-            capture_output=True,
-            text=True,
-            timeout=HANG_GUARD_S,
-        )
+        done = run_python(RACE)
     except subprocess.TimeoutExpired:
         pytest.fail("the main thread and the autotuning thread deadlocked (autocast's cache lock)")
     assert done.returncode == 0, done.stderr[-2000:]

@@ -6,13 +6,11 @@ from __future__ import annotations
 import json
 import math
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import cli_environment, compose_config, needs_subset, read_metrics
+from conftest import compose_config, needs_subset, read_metrics, run_python
 from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
@@ -310,9 +308,7 @@ def test_evaluate_answers_command_line_mistakes_before_importing_torch(recipe_ru
     )
     bad = ("eval.ttta=flip", "eval.tta", "eval.tta=sideways", "batch_size=abc")  # key, form, values
     for argv in (["nowhere"], *([str(recipe_run), override] for override in bad)):
-        result = subprocess.run(
-            [sys.executable, "-c", probe, *argv], capture_output=True, text=True, env=cli_environment()
-        )
+        result = run_python(probe, *argv)
         assert result.returncode == 1 and result.stdout.strip() == "torch not imported", result.stderr
         assert result.stderr.startswith("evaluate: error: ")
 

@@ -8,12 +8,11 @@ import json
 import multiprocessing
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import HANG_GUARD_S, SMALL, cli_environment, ended, ends_soon
+from conftest import HANG_GUARD_S, SMALL, cli_environment, ended, ends_soon, run_python
 
 from trainer import forkserver as server
 from trainer import inductor_preload, trial_fork, trials
@@ -158,13 +157,7 @@ def test_no_server_is_forked_from_a_process_that_asked_cuda_anything():
         "import torch; from trainer import forkserver; before = forkserver.forks_unmarked(); "
         "torch.cuda.is_available(); print(before, forkserver.forks_unmarked(), torch.cuda.is_initialized())"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", code],
-        env=cli_environment(),
-        capture_output=True,
-        text=True,
-        timeout=HANG_GUARD_S,
-    )
+    result = run_python(code)
     assert result.stdout.split() == ["True", "False", "False"], result.stderr[-2000:]
 
 
@@ -259,10 +252,7 @@ except Stopped:
 def test_a_stop_while_a_process_starts_comes_once_it_has_its_work_and_can_be_stopped(tmp_path):
     """Without the stop held, the child read half its work and printed `EOFError: Ran out of
     input` on the caller's terminal after the caller's last line, with no pid to stop it by."""
-    stopped = subprocess.run(
-        [sys.executable, "-c", STOP_WHILE_STARTING], capture_output=True, text=True, timeout=HANG_GUARD_S,
-        env=cli_environment(),
-    )  # fmt: skip
+    stopped = run_python(STOP_WHILE_STARTING)
     assert stopped.returncode == 0 and stopped.stderr == "stopped\n", stopped.stderr
     assert stopped.stdout.strip().isdigit()  # the pid was known when the stop was raised
 
@@ -289,14 +279,7 @@ def test_a_process_that_holds_the_preload_forks_its_server_instead_of_spawning_o
     """A command forked from python -m trainer.serve holds every preloaded module: its server
     (a parallel sweep's workers come from it) is forked from it, not a new interpreter that
     imports them again. Either way the server forks working processes."""
-    result = subprocess.run(
-        [sys.executable, "-c", FORK_STARTED, *preload],
-        cwd=tmp_path,
-        env=cli_environment(),
-        capture_output=True,
-        text=True,
-        timeout=HANG_GUARD_S,
-    )
+    result = run_python(FORK_STARTED, *preload, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     outcome = json.loads(result.stdout.strip().splitlines()[-1])
     assert outcome == {"spawned": preload != ["json"], "exitcode": 7}
