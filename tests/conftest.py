@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -114,29 +115,34 @@ def run_cli(
         _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
         resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, hard))
 
-    return subprocess.run(
-        [sys.executable, "-m", module, *args],
-        cwd=cwd,
-        env=cli_environment(env),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        preexec_fn=limit_file_size if file_size_limit else None,
-    )
+    limit = limit_file_size if file_size_limit else None
+    return run_interpreter(["-m", module, *args], cwd=cwd, env=env, timeout=timeout, preexec_fn=limit)
 
 
 def run_python(
     code: str, *args: str, cwd: Path | None = None, env: dict | None = None
 ) -> subprocess.CompletedProcess:
-    """`python -c CODE ARGS` in a subprocess with the environment of `run_cli`, its output
+    """`python -c CODE ARGS`, as `run_cli` runs the trainer."""
+    return run_interpreter(["-c", code, *args], cwd=cwd, env=env)
+
+
+def run_interpreter(
+    argv: list[str],
+    cwd: Path | None,
+    env: dict | None,
+    timeout: float = HANG_GUARD_S,
+    preexec_fn: Callable[[], None] | None = None,
+) -> subprocess.CompletedProcess:
+    """This interpreter with `argv` in a subprocess, in `cli_environment(env)`, its output
     captured as text."""
     return subprocess.run(
-        [sys.executable, "-c", code, *args],
+        [sys.executable, *argv],
         cwd=cwd,
         env=cli_environment(env),
         capture_output=True,
         text=True,
-        timeout=HANG_GUARD_S,
+        timeout=timeout,
+        preexec_fn=preexec_fn,
     )
 
 
