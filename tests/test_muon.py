@@ -3,6 +3,7 @@ layout), SGD the rest, as one optimizer that schedulers, checkpoints and resumes
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 import pytest
@@ -170,11 +171,59 @@ def test_the_muon_step_compiles_without_cuda_graphs_of_its_own(monkeypatch, mode
     RuntimeError on the GPU, "accessing tensor output of CUDAGraphs that has been overwritten")."""
     modes = []
     monkeypatch.setattr(torch, "compile", lambda function, mode, dynamic: modes.append(mode) or function)
-    settings = ("compile=true", f"compile_mode={model_mode}", "set_to_none=true")
+    settings = (
+        "optim=muon",
+        "compile=true",
+        "compile_optimizer=true",
+        f"compile_mode={model_mode}",
+        "set_to_none=true",
+    )
     wrapped = optimizer_compiler(to_train_config(compose_config(*settings)), torch.device("cuda"))(len)
     assert modes == [step_mode]
     # the modes that ask for CUDA graphs get them, in a graph of the step's own (graphed.py)
     assert isinstance(wrapped, CudaGraphed) == (model_mode != "default")
+
+
+@pytest.mark.parametrize(
+    ("settings", "compiled", "graphed"),
+    [
+        (("compile_mode=reduce_overhead", "set_to_none=true"), False, True),  # auto: the graph's replay
+        (("compile_mode=default", "step_graph=true"), False, True),
+        (("compile_mode=default",), True, False),  # auto: no graph replays it, compiled
+        (("compile_mode=default", "compile_optimizer=false"), False, False),
+        (("compile_mode=reduce_overhead", "set_to_none=true", "compile_optimizer=true"), True, True),
+    ],
+)
+def test_compile_optimizer_says_whether_muons_arithmetic_is_compiled(
+    monkeypatch, settings, compiled, graphed
+):
+    """auto compiles it unless a CUDA graph replays it; true and false decide either way."""
+    modes = []
+    monkeypatch.setattr(torch, "compile", lambda function, mode, dynamic: modes.append(mode) or function)
+    compiler = optimizer_compiler(
+        to_train_config(compose_config("optim=muon", "compile=true", *settings)), torch.device("cuda")
+    )
+    wrapped = compiler(len) if compiler else len
+    assert bool(modes) == compiled
+    assert isinstance(wrapped, CudaGraphed) == graphed
+
+
+@pytest.mark.parametrize(
+    ("settings", "fragment"),
+    [
+        (
+            ("compile_optimizer=true",),
+            "compile_optimizer=true acts on optim=muon's arithmetic only, and this run has optim=sgd",
+        ),
+        (
+            ("optim=muon", "compile_optimizer=maybe"),
+            "compile_optimizer must be auto, true or false, got 'maybe'",
+        ),
+    ],
+)
+def test_compile_optimizer_where_it_cannot_act_is_refused_in_one_line(settings, fragment):
+    with pytest.raises(ConfigError, match=re.escape(fragment)):
+        to_train_config(compose_config(*settings))
 
 
 def test_the_muon_step_is_a_cuda_graph_where_the_run_asks_for_graphs_on_cuda():
@@ -189,7 +238,14 @@ def test_the_muon_step_is_a_cuda_graph_where_the_run_asks_for_graphs_on_cuda():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="reduce-overhead's CUDA graphs: needs a CUDA GPU")
 def test_the_compiled_muon_step_on_a_gpu_matches_the_eager_one():
-    cfg = to_train_config(compose_config("compile=true", "compile_mode=reduce_overhead", "set_to_none=true"))
+    settings = (
+        "optim=muon",
+        "compile=true",
+        "compile_optimizer=true",
+        "compile_mode=reduce_overhead",
+        "set_to_none=true",
+    )
+    cfg = to_train_config(compose_config(*settings))
     compiler = optimizer_compiler(cfg, torch.device("cuda"))
     nets = [small_net().cuda(), small_net().cuda()]
     optimizers = [

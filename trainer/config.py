@@ -188,6 +188,10 @@ class TrainConfig:
     compile: bool = False  # torch.compile the model
     compile_mode: CompileMode = CompileMode.default
     fused_optimizer: bool = False  # one fused kernel for the optimizer step (CUDA)
+    # torch.compile optim=muon's arithmetic (true), or run it eagerly (false); auto: compiled
+    # with compile=true where no CUDA graph replays it (one launch per kernel is what compiling
+    # saves, and a graph's replay saves it too), eager under step_graph or a graph compile_mode
+    compile_optimizer: Any = "auto"
     # forward, backward and the gradient average over ranks captured once as one CUDA graph and
     # replayed each step (CUDA, grad_accum_steps=1); compile's own CUDA graphs then stay off
     step_graph: bool = False

@@ -96,10 +96,8 @@ def orthogonalized(
     in the gradient's dtype. Weights of one shape are orthogonalized together, as one stack
     (ResNet-18's 20 convolutions: 11 stacks). `owned` (ddp_shard_muon): only the weights this
     rank orthogonalizes; the others' updates are zeros (trainer/muon_shard.py)."""
-    new_buffers = [buffer.lerp(grad, 1 - momentum) for grad, buffer in zip(grads, buffers)]
-    directions = [
-        grad.lerp(buffer, momentum) if nesterov else buffer for grad, buffer in zip(grads, new_buffers)
-    ]
+    eager = not torch.compiler.is_compiling()
+    new_buffers, directions = momentum_directions(grads, buffers, momentum, nesterov, eager)
     # each replaced below, but for zeros where another rank orthogonalizes (ddp_shard_muon)
     updates = [grad if owned is None or owned[i] else torch.zeros_like(grad) for i, grad in enumerate(grads)]
     for group in same_shapes(directions):
@@ -107,9 +105,29 @@ def orthogonalized(
         if not group:
             continue
         stacked = newton_schulz(torch.stack([directions[index] for index in group]), coefficients, steps, eps)
+        if eager:  # one cast a stack (see momentum_directions for why not where compiled)
+            stacked = stacked.to(grads[group[0]].dtype)
         for index, update in zip(group, stacked.unbind()):
             updates[index] = update.to(grads[index].dtype)
     return new_buffers, updates
+
+
+def momentum_directions(
+    grads: list[torch.Tensor], buffers: list[torch.Tensor], momentum: float, nesterov: bool, eager: bool
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The new momentum buffers, and the directions Muon orthogonalizes (Nesterov's or the
+    buffers). `eager`: as multi-tensor ops, one kernel for all the weights where there would be
+    one a weight (what a CUDA graph of the uncompiled arithmetic replays). Compiled: weight by
+    weight, which inductor fuses itself. torch 2.11's inductor failed an assertion in its loop
+    reordering on the multi-tensor form with one cast a stack (ResNet-18's Muon step, one H200,
+    2026-11-28); the compiled form is the one it was measured on before."""
+    if eager:
+        new_buffers = torch._foreach_lerp(buffers, grads, 1 - momentum)
+        return new_buffers, torch._foreach_lerp(grads, new_buffers, momentum) if nesterov else new_buffers
+    new_buffers = [buffer.lerp(grad, 1 - momentum) for grad, buffer in zip(grads, buffers)]
+    if not nesterov:
+        return new_buffers, new_buffers
+    return new_buffers, [grad.lerp(buffer, momentum) for grad, buffer in zip(grads, new_buffers)]
 
 
 def adjusted_lr(lr: float, rule: str | None, shape: torch.Size) -> float:
