@@ -252,6 +252,7 @@ APPLIED_SETTINGS = (  # read afresh by the resumed run: a change applies, and is
     "tf32",
     "compile",
     "compile_mode",
+    "compile_optimizer",
     "step_graph",
     "measure_data_wait",
     "profile",

@@ -4,9 +4,10 @@ weight_decay, as optim=sgd) for every other parameter, stepped as one optimizer.
 Muon's arithmetic is written out here (`orthogonalized`), op for op as torch.optim.Muon's
 step computes it, because torch's step runs it weight by weight in eager mode: some 20 small
 kernels a weight, 1.8 ms a step for the fast CNN on an H200 (191k img/s against SGD's 284k).
-As one side-effect-free function over all the weights, `compile=true` compiles it with the
-model's mode (reduce-overhead: one CUDA graph replay). torch.optim.Muon keeps the parameter
-groups, the momentum buffers (its state) and the checkpoints.
+As one side-effect-free function over all the weights it is compiled or replayed as one CUDA
+graph, as compile_optimizer and the run's graphs decide (trainer/perf/model.py).
+torch.optim.Muon keeps the parameter groups, the momentum buffers (its state) and the
+checkpoints.
 
 Why by hand: torch.optim.Muon takes 2-D parameters only, and a convolution's weight is 4-D.
 Muon orthogonalizes each weight's update as a matrix of output channels x fan-in. Here each
