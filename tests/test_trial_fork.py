@@ -148,6 +148,19 @@ def test_the_server_preloads_inductor_for_processes_that_compile_and_not_torchvi
     assert loaded_modules(True, tmp_path / "modules") == loaded
 
 
+def test_after_the_preload_dynamo_has_its_backends_without_reading_packages_again():
+    """Dynamo's first compile in a process looks among every installed package's entry points
+    for backends; the preload does it once, for every process forked after it."""
+    code = (
+        "import importlib.metadata, torch; from trainer import inductor_preload\n"
+        "def refused(*args, **kwargs): raise AssertionError('entry points read again')\n"
+        "importlib.metadata.entry_points = refused\n"
+        "print('inductor' in torch.compiler.list_backends())"
+    )
+    result = run_python(code)
+    assert result.stdout.split() == ["True"], result.stderr[-2000:]
+
+
 def test_no_server_is_forked_from_a_process_that_asked_cuda_anything():
     """torch marks every process forked after `torch.cuda.is_available()`, even on a host without
     a GPU (a run asks it when it picks its device): a server forked from such a process would
