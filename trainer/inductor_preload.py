@@ -1,10 +1,10 @@
 """Imported by the forkserver (trainer/forkserver.py): what every forked process that compiles
 (a tuner's trial, a sweep's job, a DDP rank) would otherwise pay at its first torch.compile,
 done once for all of them. Inductor's modules (torch.compile imports them on its first call:
-0.8 s on an H100 host, 0.9 s on a 2-core CPU), dynamo's list of backends, and the keys its caches are looked up by, which
-torch works out once per process by hashing its own and triton's files (torch_key 0.13 s;
-triton_key 0.36 s, a sha256 over the 505 MB libtriton). torch keeps both keys in the process,
-so a process forked after this finds them.
+0.8 s on an H100 host, 0.9 s on a 2-core CPU), dynamo's list of backends, and the keys its
+caches are looked up by, which torch works out once per process by hashing its own and
+triton's files (torch_key 0.13 s; triton_key 0.36 s, a sha256 over the 505 MB libtriton).
+torch keeps them in the process, so a process forked after this finds them.
 
 Nothing here may start CUDA, which a forked process could then not use. Importing inductor asks
 `torch.cuda.is_available()` (torch 2.11: `torch._inductor.runtime.benchmarking`, at import), and
