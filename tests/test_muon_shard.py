@@ -16,7 +16,8 @@ from torch import nn
 
 from trainer.config import OptimConfig, OptimizerName, to_train_config
 from trainer.distributed import Ranks
-from trainer.muon import build_muon_with_sgd, orthogonalized
+from trainer.muon import build_muon_with_sgd
+from trainer.muon_arithmetic import orthogonalized
 from trainer.muon_shard import owned_by, shares
 from trainer.perf import muon_share
 from trainer.perf.notes import forget_said

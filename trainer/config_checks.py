@@ -162,10 +162,10 @@ def check_ranges(cfg: TrainConfig) -> None:
             f"ddp_bucket_cap_mb must be auto or a size in MB above 0, got {bucket!r}: "
             "set ddp_bucket_cap_mb=auto or ddp_bucket_cap_mb=25"
         )
-    if cfg.compile_optimizer not in ("auto", True, False):
+    if not (isinstance(cfg.compile_optimizer, bool) or cfg.compile_optimizer == "auto"):
         raise ConfigError(
-            f"compile_optimizer must be auto, true or false, got {cfg.compile_optimizer!r}: set "
-            "compile_optimizer=auto"
+            f"compile_optimizer must be auto, true or false (unquoted), got {cfg.compile_optimizer!r}: "
+            "set compile_optimizer=auto"
         )
     if cfg.target_acc is not None and not 0.0 < cfg.target_acc <= 1.0:
         raise ConfigError(
@@ -201,12 +201,6 @@ def check_combinations(cfg: TrainConfig) -> None:
             f"compile_mode={cfg.compile_mode.name} replays CUDA graphs, whose gradient buffers "
             "must be dropped between steps, not zeroed: set set_to_none=true, or "
             "compile_mode=max_autotune_no_cudagraphs"
-        )
-    if cfg.compile_optimizer != "auto" and cfg.optim.name is not OptimizerName.muon:
-        raise ConfigError(
-            f"compile_optimizer={str(cfg.compile_optimizer).lower()} acts on optim=muon's arithmetic "
-            f"only, and this run has optim={cfg.optim.name.value}: set optim=muon, or "
-            "compile_optimizer=auto (fused_optimizer=true is the SGD and AdamW kernels' toggle)"
         )
     if cfg.optim.early_epochs and cfg.optim.schedule not in (Schedule.linear, Schedule.constant):
         raise ConfigError(

@@ -131,18 +131,25 @@ def compiles_optimizer(cfg: TrainConfig, graphed: bool) -> bool:
     """compile_optimizer, auto resolved: compiled with compile=true unless `graphed` (a CUDA graph
     replays it). Compiling fuses its some 20 small kernels a weight, whose launches a replay
     saves anyway, and its tracing is the costliest of the warm-up's after the model's. Replayed
-    uncompiled, against compiled (one H200, torch 2.11, 2026-11-28, step_graph=true, synthetic
-    data, 3 runs each, README "From Enter to result"): ResNet-18's warm compile_s 4.1-4.7 s
-    against 5.5-6.4 s at 1.1% fewer images/s; the fast CNN's 1.3-1.5 s against 1.5-2.8 s, its
-    images/s alike."""
+    uncompiled, against compiled (2 H200s of one host, torch 2.11, 2026-11-28, README "From
+    Enter to result"): ResNet-18 (step_graph=true, 6 runs each) warm compile_s 4.9 against 6.0 s
+    (medians) at 0.9% fewer images/s; the fast CNN (recipe=fastcnn_94, 10 seeds each) 1.5
+    against 1.9 s at 0.5% fewer."""
+    if cfg.optim.name is not OptimizerName.muon:
+        if cfg.compile_optimizer != "auto":
+            cannot_act(
+                f"compile_optimizer={str(cfg.compile_optimizer).lower()}",
+                f"it acts on optim=muon's arithmetic, this run has optim={cfg.optim.name.value}",
+            )
+        return False
     if cfg.compile_optimizer != "auto":
-        return bool(cfg.compile_optimizer)
-    if cfg.compile and graphed and cfg.optim.name is OptimizerName.muon:
+        return cfg.compile_optimizer
+    if cfg.compile and graphed:
         say_once(
             logging.INFO,
             "compile_optimizer=auto: optim=muon's arithmetic is replayed in a CUDA graph of its own "
-            "uncompiled (compile_optimizer=true compiles it too: 1%% more images/s for ResNet-18, "
-            "1-2 s more warm-up)",
+            "uncompiled (compile_optimizer=true compiles it too: about 1%% more images/s for "
+            "ResNet-18, about 1 s more warm-up)",
         )
     return cfg.compile and not graphed
 
