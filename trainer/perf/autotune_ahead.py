@@ -32,6 +32,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm  # every batch norm: 1d-3d, Sync, Lazy
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +40,6 @@ log = logging.getLogger(__name__)
 _running: threading.Thread | None = None
 # What this process had timed ahead already (a sweep's later jobs in it): its caches still hold it.
 _timed: set[tuple] = set()
-# Left in fp32 in the copy, as autocast leaves them in the run (train_once).
-BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 
 
 def begin(
@@ -111,7 +110,7 @@ def train_once(
             precision = dtype() or torch.float32
             twin = twin.to(memory_format=layout, dtype=precision)
             for module in twin.modules():  # as autocast leaves them: batch norm's own in fp32
-                if isinstance(module, BATCH_NORMS):
+                if isinstance(module, _BatchNorm):
                     module.float()
             for shape in shapes:
                 images = torch.zeros(shape, device=device, dtype=precision).contiguous(memory_format=layout)
