@@ -36,7 +36,7 @@ BOOT = """
 import atexit, json, os, runpy, sys, time
 from trainer import bytecode
 bytecode.cache_bytecode()  # before torch, as the trainer's own entry point does
-import torch, trainer.loop as loop
+import torch, trainer.loop as loop, trainer.warm_up as warm_up
 calls = []
 def timed(name, call):
     def synchronized():
@@ -50,15 +50,17 @@ def timed(name, call):
         calls.append((name, time.perf_counter() - started))
         return result
     return wrapper
-warm_up_steps = loop.warm_up_steps
-def timed_warm_up_steps(parts, epoch, evaluate):
-    step, gradients = loop.forward_backward, loop.apply_gradients
-    loop.forward_backward, loop.apply_gradients = timed("step", step), timed("optimizer", gradients)
+warm_up_steps = warm_up.warm_up_steps
+def timed_warm_up_steps(parts, epoch):
+    originals = loop.forward_backward, loop.apply_gradients, loop.evaluate
+    loop.forward_backward = timed("step", originals[0])
+    loop.apply_gradients = timed("optimizer", originals[1])
+    loop.evaluate = timed("evaluation", originals[2])
     try:
-        warm_up_steps(parts, epoch, timed("evaluation", evaluate))
+        warm_up_steps(parts, epoch)
     finally:
-        loop.forward_backward, loop.apply_gradients = step, gradients
-loop.warm_up_steps = timed_warm_up_steps
+        loop.forward_backward, loop.apply_gradients, loop.evaluate = originals
+warm_up.warm_up_steps = timed_warm_up_steps
 def record():
     from torch._dynamo.utils import compilation_time_metrics, counters
     phases = {name: sum(times) for name, times in compilation_time_metrics.items()}

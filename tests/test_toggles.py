@@ -586,7 +586,7 @@ def test_compile_works_out_inductors_cache_keys_beside_the_set_up(monkeypatch):
 
 
 def test_the_warm_up_waits_for_the_cache_keys_before_its_first_step(tmp_path, monkeypatch):
-    from trainer import loop
+    from trainer import loop, warm_up
 
     trainer = built(tmp_path, "data.train_size=64", "data.test_size=32", "batch_size=32")
     order = []
@@ -594,8 +594,27 @@ def test_the_warm_up_waits_for_the_cache_keys_before_its_first_step(tmp_path, mo
     trainer.parts.cache_keys_ready = lambda: order.append("keys")
     steps = loop.forward_backward
     monkeypatch.setattr(loop, "forward_backward", lambda *a, **k: order.append("step") or steps(*a, **k))
-    loop.warm_up(trainer.parts, 0, trainer.evaluate)
+    warm_up.warm_up(trainer.parts, 0)
     assert order[:2] == ["keys", "step"]
+
+
+def test_the_warm_up_evaluates_the_first_and_the_last_test_batch_only(tmp_path, monkeypatch):
+    """The two shapes the evaluation runs at (a full batch, the partial last one), not every batch."""
+    from trainer import evaluation, warm_up
+
+    trainer = built(tmp_path, "data.train_size=64", "data.test_size=72", "batch_size=32")
+    trainer.parts.warm_up_steps = 1
+    seen = []
+    monkeypatch.setattr(evaluation, "evaluate", lambda model, batches, *a: seen.append(list(batches)) or {})
+    warm_up.warm_up(trainer.parts, 0)
+    [batches] = seen
+    every = list(trainer.parts.test_batches)
+    assert [len(labels) for _, labels in every] == [32, 32, 8]
+    assert len(batches) == 2
+    for (images, labels), (expected_images, expected_labels) in zip(batches, [every[0], every[-1]]):
+        assert torch.equal(images, expected_images) and torch.equal(labels, expected_labels)
+    assert warm_up.first_and_last([]) == [] and warm_up.first_and_last(["a"]) == ["a"]
+    assert warm_up.first_and_last(iter("abc")) == ["a", "c"]
 
 
 def test_cuda_is_started_ahead_only_on_cuda_and_not_under_deterministic(monkeypatch):

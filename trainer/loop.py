@@ -5,8 +5,8 @@
 Owns: the order of work. An epoch's micro-batches with gradient accumulation; the step
 (forward and backward under autocast and the gradient average, or their CUDA graph's replay;
 the scaled optimizer step, the scheduler, the weight average); one read of the losses per log
-window, which is also where a NaN/inf loss stops the run; the epoch's record; the warm-up
-steps that compile before the clock starts, undone after.
+window, which is also where a NaN/inf loss stops the run; the epoch's record. (The warm-up
+before the clock: trainer/warm_up.py.)
 Change the loop here.
 Must not touch: the config (every decision is already a field of `Parts`, trainer/assembly.py),
 signals and files (the run lends its log, its profiler and its agreed stop: trainer/run.py),
@@ -16,22 +16,19 @@ process groups (trainer/distributed.py; an epoch's totals are summed over the ra
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
-import itertools
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import torch
 
 from trainer import distributed, evaluation, tags
-from trainer.console import still_running
 from trainer.errors import Diverged
 from trainer.logging import percent
-from trainer.parts import Parts
+from trainer.parts import Batch, Parts
 from trainer.progress import Progress
 
 if TYPE_CHECKING:
@@ -229,52 +226,13 @@ def epoch_record(
     }
 
 
-def warm_up(parts: Parts, epoch: int, evaluate: Callable[[], dict]) -> float:
-    """Compile and autotune on the first training batches and one evaluation before the clock
-    starts, then put back every state those steps changed; returns their seconds (compile_s)."""
-    if not parts.warm_up_steps:
-        return 0.0
-    started = time.perf_counter()
-    log.info(
-        "warm-up: %d steps per image size and one evaluation before the clock starts (%s); a "
-        "first run of these settings compiles from scratch, a later one reads torch's caches",
-        parts.warm_up_steps,
-        parts.warm_up_work,
-    )
-    with still_running("warm-up"):
-        parts.cache_keys_ready()
-        warm_up_steps(parts, epoch, evaluate)
-    seconds = time.perf_counter() - started
-    log.info("warm-up: %d steps compiled and autotuned in %.1f s (compile_s)", parts.warm_up_steps, seconds)
-    return seconds
-
-
-def warm_up_steps(parts: Parts, epoch: int, evaluate: Callable[[], dict]) -> None:
-    changed = {"model": parts.raw_model, "optimizer": parts.optimizer}
-    if parts.scaler.is_enabled():
-        changed["scaler"] = parts.scaler
-    saved = {name: copy.deepcopy(part.state_dict()) for name, part in changed.items()}
-    parts.model.train()
-    # each image size the run will train at: the low-res epochs' and the full size after them
-    shapes = [epoch] + ([parts.low_res_epochs] if epoch < parts.low_res_epochs < parts.epochs else [])
-    for first_epoch in shapes:
-        parts.train_loader.set_epoch(first_epoch)
-        for images, labels in itertools.islice(parts.train_batches, parts.warm_up_steps):
-            forward_backward(parts, images, labels, 1, boundary=True)
-            parts.autotuned()  # before torch.compile's CUDA graphs record, at the second step
-            apply_gradients(parts)
-    for name, part in changed.items():
-        part.load_state_dict(saved[name])
-    evaluate()  # the evaluation's first run (its kernels' first loads), outside time to target
-    parts.synchronize()
-
-
-def evaluate(parts: Parts) -> dict:
+def evaluate(parts: Parts, batches: Iterable[Batch] | None = None) -> dict:
     """Test loss and accuracy over every test image exactly once (summed across ranks), of the
     weight average when ema is on; with eval.tta also test_acc_tta. With ema on, the trained
-    weights are evaluated too, beside it: test_acc_trained (and the other keys, so suffixed)."""
+    weights are evaluated too, beside it: test_acc_trained (and the other keys, so suffixed).
+    `batches`: these instead of the test set's (the warm-up's)."""
     common = (
-        parts.test_batches,
+        parts.test_batches if batches is None else batches,
         parts.tta_views,
         parts.device,
         parts.autocast,

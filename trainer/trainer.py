@@ -34,6 +34,7 @@ from trainer.loop import NonFiniteLoss, accumulation_plan  # noqa: F401 - import
 from trainer.parts import Parts
 from trainer.progress import Progress
 from trainer.run import Run
+from trainer.warm_up import warm_up
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +150,7 @@ class Trainer:
         stopping = None
         try:
             with self.run.training():
-                self.progress.compile_s += loop.warm_up(self.parts, self.progress.epoch, self.evaluate)
+                self.progress.compile_s += warm_up(self.parts, self.progress.epoch)
                 stopping = perf.stop_compile_workers()
                 started = time.perf_counter()
                 self.run.finish(loop.train(self.parts, self.progress, self.run, self.evaluate, started))

@@ -95,6 +95,7 @@ class StepGraph:
         self.buffers = buffers  # BatchNorm statistics: the eager passes' updates are undone
         self.graphs: dict[tuple, Captured] = {}
         self.current: Captured | None = None
+        self.side: torch.cuda.Stream | None = None  # where every pass before a capture and the capture run
 
     def __call__(
         self, images: torch.Tensor, labels: torch.Tensor, body: Body
@@ -117,7 +118,9 @@ class StepGraph:
     def capture(self, images: torch.Tensor, labels: torch.Tensor, body: Body) -> Captured:
         static_images, static_labels = images.clone(), labels.clone()
         saved = [buffer.clone() for buffer in self.buffers]
-        side = torch.cuda.Stream()
+        if self.side is None:
+            self.side = torch.cuda.Stream()
+        side = self.side
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(EAGER_PASSES):
@@ -128,7 +131,12 @@ class StepGraph:
         self.drop_grads()
         autotune_ahead.wait()  # no other thread of ours allocates while a stream captures
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        # on the eager passes' stream, as torch's make_graphed_callables does: each weight's
+        # AccumulateGrad node, made by the first pass and kept, belongs to the stream it was
+        # made on (so one stream for every shape's graph). Captured on torch's own capture
+        # stream, each run printed torch's warning of the mismatch ("may incur unnecessary
+        # synchronization", torch 2.11)
+        with torch.cuda.graph(graph, stream=side):
             loss, correct = body(static_images, static_labels)
         with torch.no_grad():
             for buffer, value in zip(self.buffers, saved):
