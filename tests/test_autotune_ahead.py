@@ -1,8 +1,10 @@
-"""cuDNN's autotuning begun ahead (trainer/perf/autotune_ahead.py): the thread trains a copy of
-the model built on the meta device, so the run's random numbers are as without it. Its timing
-itself happens only on CUDA; here the thread runs on the CPU in its place."""
+"""cuDNN's autotuning done ahead (trainer/perf/autotune_ahead.py): a copy of the model built on
+the meta device trains one step, its forward on the calling thread while the data is built in
+another, its backward from a thread, so the run's random numbers are as without it. Its timing
+itself happens only on CUDA; here the copy runs on the CPU in its place."""
 
 import subprocess
+import threading
 
 import pytest
 import torch
@@ -29,11 +31,13 @@ def small_model() -> nn.Module:
     )
 
 
+def beside(work, build, shapes=((2, 3, 8, 8),), dtype=None, layout=torch.contiguous_format, settings=("a",)):
+    cpu = torch.device("cpu")
+    return autotune_ahead.beside(work, build, cpu, list(shapes), lambda: dtype, layout, settings)
+
+
 def test_a_copy_built_on_the_meta_device_trains_without_a_random_draw(monkeypatch):
-    trained = []
-    real_train_once = autotune_ahead.train_once
     monkeypatch.setattr(autotune_ahead, "autotunes", lambda device: True)
-    monkeypatch.setattr(autotune_ahead, "train_once", lambda *args: trained.append(real_train_once(*args)))
     copies = []
 
     def build() -> nn.Module:
@@ -43,27 +47,58 @@ def test_a_copy_built_on_the_meta_device_trains_without_a_random_draw(monkeypatc
 
     rng = torch.get_rng_state()
     shapes = autotune_ahead.shapes_to_time(4, 32, low_res=24, low_res_epochs=2)
-    autotune_ahead.begin(build, torch.device("cpu"), shapes, lambda: None, torch.channels_last, ("a",))
+    assert beside(lambda: "data", build, shapes, layout=torch.channels_last) == "data"
     autotune_ahead.wait()
-    assert len(trained) == 1
-    autotune_ahead.begin(build, torch.device("cpu"), shapes, lambda: None, torch.channels_last, ("a",))
-    autotune_ahead.wait()
-    assert len(trained) == 1  # the same settings again (a sweep's next job): timed already
+    assert beside(lambda: "again", build, shapes, layout=torch.channels_last) == "again"
+    assert len(copies) == 1  # the same settings again (a sweep's next job): timed already
     model, built_on = copies[0]
     assert built_on == "meta"
     assert torch.equal(torch.get_rng_state(), rng)  # nothing drawn
     assert model[0].weight.grad is not None  # the copy stepped (to_empty gives it memory in place)
 
 
-def test_a_model_the_meta_device_cannot_build_starts_nothing(monkeypatch):
+def test_the_data_is_built_in_a_thread_beside_the_forward_and_the_backward_follows_in_another(monkeypatch):
+    """cuDNN keeps its timings per thread: the forward's on the thread the run's forward passes
+    run on (this one); the backward's on autograd's, from whichever thread calls it."""
+    monkeypatch.setattr(autotune_ahead, "autotunes", lambda device: True)
+    threads, copies = {}, []
+    here = threading.current_thread()
+
+    def build() -> nn.Module:
+        model = small_model()
+        model[0].register_forward_hook(lambda *_: threads.update(forward=threading.current_thread()))
+        copies.append(model)
+        return model
+
+    def work() -> str:
+        threads["work"] = threading.current_thread()
+        return "data"
+
+    assert beside(work, build) == "data"
+    backward = autotune_ahead._running
+    autotune_ahead.wait()
+    assert threads["forward"] is here and threads["work"] not in (here, backward)
+    assert backward is not None and copies[0][0].weight.grad is not None
+
+
+def test_what_the_data_raises_is_raised_here_and_no_backward_begins(monkeypatch):
+    monkeypatch.setattr(autotune_ahead, "autotunes", lambda device: True)
+
+    def work():
+        raise ValueError("batch_size larger than the data")
+
+    with pytest.raises(ValueError, match="larger than the data"):
+        beside(work, small_model, settings=("e",))
+    assert autotune_ahead._running is None
+
+
+def test_a_model_the_meta_device_cannot_build_leaves_the_data_to_this_thread(monkeypatch):
     monkeypatch.setattr(autotune_ahead, "autotunes", lambda device: True)
 
     def build() -> nn.Module:
         raise RuntimeError("user code that needs real tensors")
 
-    autotune_ahead.begin(
-        build, torch.device("cpu"), [(2, 3, 8, 8)], lambda: None, torch.contiguous_format, ("b",)
-    )
+    assert beside(threading.current_thread, build, settings=("b",)) is threading.current_thread()
     assert autotune_ahead._running is None
 
 
@@ -72,15 +107,14 @@ def test_shapes_are_each_training_size():
     assert autotune_ahead.shapes_to_time(512, 32, 24, 3) == [(512, 3, 24, 24), (512, 3, 32, 32)]
 
 
-def test_nothing_starts_where_cudnn_does_not_autotune():
-    autotune_ahead.begin(
-        small_model, torch.device("cpu"), [(2, 3, 8, 8)], lambda: None, torch.contiguous_format, ("c",)
-    )
-    assert autotune_ahead._running is None
+def test_nothing_is_timed_where_cudnn_does_not_autotune():
+    built, here = [], threading.current_thread()
+    assert beside(threading.current_thread, lambda: built.append(1), settings=("c",)) is here
+    assert autotune_ahead._running is None and not built
 
 
 def test_the_copy_runs_in_the_runs_precision_without_autocast(monkeypatch):
-    """autocast's cache is one for the process under one lock, which its exit in this thread
+    """autocast's cache is one for the process under one lock, which its exit in the thread
     held while waiting for Python's lock: the main thread, tracing under autocast, deadlocked."""
     monkeypatch.setattr(autotune_ahead, "autotunes", lambda device: True)
     seen, copies = [], []
@@ -96,8 +130,7 @@ def test_the_copy_runs_in_the_runs_precision_without_autocast(monkeypatch):
         copies.append(model)
         return model
 
-    cpu, bf16 = torch.device("cpu"), torch.bfloat16
-    autotune_ahead.begin(build, cpu, [(2, 3, 8, 8)], lambda: bf16, torch.channels_last, ("d",))
+    beside(lambda: None, build, dtype=torch.bfloat16, layout=torch.channels_last, settings=("d",))
     autotune_ahead.wait()
     # as autocast runs them: the convolution's weight cast, batch norm's left in fp32
     assert seen == [(torch.bfloat16, torch.bfloat16, False), (torch.bfloat16, torch.float32, False)]
@@ -121,8 +154,9 @@ def again_and_again():
     while not stop.is_set():
         with torch.device("meta"):
             twin = deep()
-        shapes, bf16 = [(2, 4, 4, 4)], torch.bfloat16
-        autotune_ahead.train_once(twin, torch.device("cpu"), shapes, lambda: bf16, torch.contiguous_format)
+        shapes, bf16, cpu = [(2, 4, 4, 4)], torch.bfloat16, torch.device("cpu")
+        losses = autotune_ahead.forward_passes(twin, cpu, shapes, lambda: bf16, torch.contiguous_format)
+        autotune_ahead.backward_passes(losses, cpu)
 
 thread = threading.Thread(target=again_and_again)
 thread.start()

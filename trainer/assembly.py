@@ -15,6 +15,7 @@ order of work in an epoch or a step (trainer/loop.py), process groups (trainer/d
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -38,6 +39,10 @@ from trainer.preflight import no_cuda_device
 from trainer.timing import data_wait_timer
 
 log = logging.getLogger(__name__)
+# The class count of the model's copy that cuDNN's autotuning runs on beside the data's set-up,
+# before the data says how many: it sizes the classifier, a matmul cuDNN does not time (a
+# model.target whose convolutions depend on it has those timed in its warm-up instead).
+TWIN_CLASSES = 10
 
 
 def nothing() -> None:
@@ -60,7 +65,11 @@ def assemble(cfg: TrainConfig, ranks: Ranks, device: torch.device) -> Parts:
     perf.apply_backend_flags(cfg, device)
     listing = begin_listing(cfg.data)  # the helper process first: it runs beside what follows
     cuda_ready, cache_keys_ready = perf.begin_ahead(cfg, device)  # beside the data's set-up
-    splits, train_loader, train_batches, test_batches, setup_data_s = build_data(cfg, ranks, device, listing)
+    data = functools.partial(build_data, cfg, ranks, device, listing)
+    twin = functools.partial(build_model, shapes_only(cfg.model), TWIN_CLASSES)
+    splits, train_loader, train_batches, test_batches, setup_data_s = perf.beside_autotuning(
+        cfg, device, twin, data
+    )
     raw_model, model, ddp_model, step_graph, meter, init_s = build_network(cfg, ranks, device, splits)
     global_batch = cfg.batch_size * ranks.world_size * cfg.grad_accum_steps
     optimizer, lr_peak = step_optimizer(cfg, ranks, device, raw_model, global_batch)
@@ -177,7 +186,6 @@ def build_data(
 def build_network(cfg: TrainConfig, ranks: Ranks, device: torch.device, splits: Splits) -> tuple:
     """(raw model, the model the step calls, the DDP wrapper or None, the step's CUDA graph or
     None, the MFU meter, the seconds the model's initialization from the data took)."""
-    perf.begin_autotuning(cfg, device, lambda: build_model(shapes_only(cfg.model), len(splits.classes)))
     if cfg.data.low_res:
         check_low_res(cfg.model, len(splits.classes), cfg.data.low_res)
     raw_model = build_model(cfg.model, num_classes=len(splits.classes))

@@ -15,7 +15,7 @@ A new toggle is a field in trainer/config.py and a few lines in the file of its 
   compile_workers.py  when torch.compile's compile-worker pool is stopped, and how
   compile_keys.py  torch's compile-cache keys worked out beside the set-up
   cuda_start.py  CUDA, cuDNN and cuBLAS started in a thread beside the set-up's imports
-  autotune_ahead.py  cuDNN's autotuning of the backward convolutions begun beside the set-up
+  autotune_ahead.py  cuDNN's autotuning of the convolutions done beside the data's set-up
   ddp.py       how ranks average gradients (ddp_sync): DistributedDataParallel and its ddp_*
                communication toggles, or all_reduce.py's one all-reduce after backward
   step_graph.py forward, backward and gradient average as one CUDA graph (step_graph)
@@ -93,7 +93,7 @@ __all__ = [
     "autotune_ahead",
     "autocast_context",
     "begin_ahead",
-    "begin_autotuning",
+    "beside_autotuning",
     "cache_keys_ahead",
     "cuda_ahead",
     "make_current",
@@ -160,14 +160,17 @@ def begin_ahead(cfg: TrainConfig, device: torch.device) -> tuple[Callable[[], No
     return cuda_ahead(cfg, device, lambda: amp_dtype(cfg, device)), cache_keys_ahead(cfg)
 
 
-def begin_autotuning(cfg: TrainConfig, device: torch.device, build: Callable[[], torch.nn.Module]) -> None:
-    """cuDNN's autotuning of the backward convolutions begun in a thread (autotune_ahead.py), on a
-    copy of the model (`build()`) at each of the run's batch shapes, in its precision and memory
-    format; the warm-up waits for it before CUDA graphs record (`autotune_ahead.wait`)."""
+def beside_autotuning(cfg: TrainConfig, device: torch.device, build: Callable[[], torch.nn.Module], work):
+    """`work()` (the data's set-up) in a thread while this thread times cuDNN's forward
+    convolutions on a copy of the model (`build()`) at each of the run's batch shapes, in its
+    precision and memory format, then their backward in a thread (autotune_ahead.py); the
+    warm-up waits for that before CUDA graphs record (`autotune_ahead.wait`). Returns `work()`'s
+    result; where cuDNN does not autotune, `work()` alone."""
     low_res = (cfg.data.low_res, cfg.data.low_res_epochs)
     shapes = autotune_ahead.shapes_to_time(cfg.batch_size, IMAGE_SIZE, *low_res)
     settings = (repr(cfg.model), *shapes, cfg.amp, cfg.amp_dtype, cfg.channels_last, cfg.tf32, str(device))
-    autotune_ahead.begin(build, device, shapes, lambda: amp_dtype(cfg, device), memory_format(cfg), settings)
+    dtype = functools.partial(amp_dtype, cfg, device)
+    return autotune_ahead.beside(work, build, device, shapes, dtype, memory_format(cfg), settings)
 
 
 def autocast_context(

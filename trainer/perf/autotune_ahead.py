@@ -1,25 +1,30 @@
-"""cuDNN's autotuning of the backward convolutions begun in a thread, beside the set-up.
+"""cuDNN's autotuning of the run's convolutions done ahead, beside the data's set-up.
 
 With cudnn_benchmark=true cuDNN times its algorithms at the first convolution of each shape,
 forward and backward, and a fresh process pays it inside its warm-up, one convolution after
-another, while the GPU has idled through the set-up. torch keeps what it timed per thread, and a
-backward pass runs on autograd's thread for its device, whichever thread called it: so a copy of
-the model, trained one step on zeros from a thread of ours, has the backward convolutions timed
-on the very thread the run's backward passes run on, while the main thread builds the model,
-imports torch.compile's compiler and traces. The forward's timing stays in our thread and is
-done again by the run (torch offers no way to hand it over). On one H100 (torch 2.11.0+cu130,
-batch 2000 of 32x32 in bf16, channels_last), the first compiled backward took 0.01 s after such
-a step against 0.84 s without it for the fast CNN, and 0.008 s against 0.94 s for ResNet-18 at
-batch 1024 (README, "From Enter to result").
+another, while the GPU has idled through the set-up. torch keeps what it timed per thread
+(cuDNN's plans are not safe to share between threads), and the two directions run on two
+threads: a forward pass on the thread that calls it (the main thread, for the run), a backward
+pass on autograd's thread for its device, whichever thread called it. So a copy of the model,
+trained one step on zeros at each batch shape, has both timed where the run will look for them:
+
+- its forward passes run on the main thread, while a thread of ours builds the data (torch lets
+  go of Python's lock inside each operator: the two overlap). Before, the forward's timing was
+  left to the warm-up: 0.9-1.1 s of ResNet-18's (README, "From Enter to result");
+- its backward passes then run from a thread of ours, beside the rest of the set-up, the
+  imports of torch.compile's compiler and its tracing. On one H100 (torch 2.11.0+cu130, batch
+  2000 of 32x32 in bf16, channels_last), the first compiled backward took 0.01 s after them
+  against 0.84 s without for the fast CNN, and 0.008 s against 0.94 s for ResNet-18 at batch 1024.
 
 Not where a CUDA graph is captured while the thread runs: a capture forbids other threads'
 allocations and synchronizations (torch.cuda.graph's default mode). `wait()` comes first in each
 capture of ours and in the warm-up before its second step, where torch.compile's CUDA graphs
 record.
 
-Owns: which shapes are timed ahead, on what, and when that is waited for. Must not touch: the
-backend switches (backend.py, read here), the run's model and its random numbers (the copy is
-built on the meta device and runs in eval mode on zeros: it draws none).
+Owns: which shapes are timed ahead, on what, on which thread, and when that is waited for. Must
+not touch: the backend switches (backend.py, read here), the run's model and its random numbers
+(the copy is built on the meta device and runs in eval mode on zeros: it draws none), the data
+(built by the caller's function, only in another thread).
 """
 
 from __future__ import annotations
@@ -27,7 +32,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -35,43 +42,54 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm  # every batch norm: 1d-3d, Sync, Lazy
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
-# The thread of this process's run, until waited for: the cuDNN caches it fills are the process's.
+# The backward passes' thread of this process's run, until waited for.
 _running: threading.Thread | None = None
 # What this process had timed ahead already (a sweep's later jobs in it): its caches still hold it.
 _timed: set[tuple] = set()
 
 
-def begin(
+def beside(
+    work: Callable[[], T],
     build: Callable[[], nn.Module],
     device: torch.device,
     shapes: list[tuple[int, ...]],
     dtype: Callable[[], torch.dtype | None],
     layout: torch.memory_format,
     settings: tuple,
-) -> None:
-    """Where cuDNN autotunes on CUDA (torch.backends.cudnn.benchmark as the backend switches
-    left it): a thread trains a copy of the model one step on zero images of each batch shape, in
-    the run's autocast dtype (`dtype()`, asked in the thread; None: full precision) and memory
-    `layout`. The copy is `build()` on the meta device, here (no random draws: its values do not
-    decide cuDNN's choice), given memory and zeros in the thread; so it begins as soon as the
-    data's classes are known, before the run's own model and its imports. Once per `settings`
-    (what decides the convolutions' shapes and types) in a process."""
+) -> T:
+    """`work()`'s result (raising what it raised). Where cuDNN autotunes on CUDA
+    (torch.backends.cudnn.benchmark as the backend switches left it), `work()` runs in a thread
+    while this thread runs a copy of the model forward on zero images of each batch shape, in
+    the run's autocast dtype (`dtype()`; None: full precision) and memory `layout`; then a thread
+    runs their backward passes (`wait()` waits for it). The copy is `build()` on the meta device
+    (no random draws: its values do not decide cuDNN's choice), given memory and zeros here.
+    Once per `settings` (what decides the convolutions' shapes and types) in a process;
+    elsewhere `work()` runs here, alone."""
     global _running
     wait()
     if not autotunes(device) or settings in _timed:
-        return
+        return work()
     _timed.add(settings)
-    try:
-        with torch.device("meta"), torch.random.fork_rng(devices=[]):
-            twin = build()
-    except Exception:  # a model.target the meta device cannot build: its warm-up autotunes it all
-        log.debug("no copy of the model to autotune ahead on", exc_info=True)
-        return
-    arguments = (twin, device, shapes, dtype, layout)
-    _running = threading.Thread(target=train_once, args=arguments, name="cudnn-ahead")
-    _running.daemon = True  # a set-up that fails before the warm-up does not wait for it
-    _running.start()
+    twin = meta_copy(build)
+    if twin is None:
+        return work()
+    helper = Helper(work, device)
+    started = time.perf_counter()
+    losses = forward_passes(twin, device, shapes, dtype, layout)
+    timed = time.perf_counter() - started
+    result = helper.result()  # raises what work() raised, before a backward begins
+    log.debug(
+        "forward convolutions timed ahead in %.2f s, the data's set-up beside them took %.2f s",
+        timed,
+        time.perf_counter() - started,
+    )
+    if losses:
+        _running = threading.Thread(target=backward_passes, args=(losses, device), name="cudnn-ahead")
+        _running.daemon = True  # a set-up that fails before the warm-up does not wait for it
+        _running.start()
+    return result
 
 
 def autotunes(device: torch.device) -> bool:
@@ -79,30 +97,67 @@ def autotunes(device: torch.device) -> bool:
 
 
 def wait() -> None:
-    """Until the thread is done, where one runs."""
+    """Until the backward passes' thread is done, where one runs."""
     global _running
     if _running is not None:
         _running.join()
         _running = None
 
 
-def train_once(
+def meta_copy(build: Callable[[], nn.Module]) -> nn.Module | None:
+    try:
+        with torch.device("meta"), torch.random.fork_rng(devices=[]):
+            return build()
+    except Exception:  # a model.target the meta device cannot build: its warm-up autotunes it all
+        log.debug("no copy of the model to autotune ahead on", exc_info=True)
+        return None
+
+
+class Helper:
+    """`work()` in a thread of its own, on `device` as the current CUDA device."""
+
+    def __init__(self, work: Callable[[], T], device: torch.device):
+        self.outcome: tuple[bool, object] | None = None
+        self.thread = threading.Thread(target=self.run, args=(work, device), name="set-up-data")
+        self.thread.daemon = True  # an interrupted set-up does not wait for it
+        self.thread.start()
+
+    def run(self, work: Callable[[], T], device: torch.device) -> None:
+        try:
+            with on(device):
+                self.outcome = (True, work())
+        except BaseException as error:  # handed to the caller, which raises it
+            self.outcome = (False, error)
+
+    def result(self):
+        self.thread.join()
+        done, value = self.outcome
+        if not done:
+            raise value
+        return value
+
+
+def on(device: torch.device) -> contextlib.AbstractContextManager:
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def forward_passes(
     twin: nn.Module,
     device: torch.device,
     shapes: list[tuple[int, ...]],
     dtype: Callable[[], torch.dtype | None],
     layout: torch.memory_format,
-) -> None:
-    """The copy in the run's precision itself, not under autocast: the convolutions are the ones
-    autocast would run (their weights and inputs in that dtype, in `layout`; batch norm's weights
-    and statistics in fp32, which autocast does not cast). autocast's cache of cast weights is
-    one for the process, under one lock. Leaving autocast here cleared it, holding that lock, and
-    freeing the cached weights waited for Python's lock; the main thread, tracing the model under
+) -> list[torch.Tensor]:
+    """The copy's loss at each shape, its graph kept for the backward. The copy in the run's
+    precision itself, not under autocast: the convolutions are the ones autocast would run
+    (their weights and inputs in that dtype, in `layout`; batch norm's weights and statistics
+    in fp32, which autocast does not cast). autocast's cache of cast weights is one for the
+    process, under one lock: a thread leaving autocast cleared it, holding that lock, and
+    freeing the cached weights waited for Python's lock, while the main thread, tracing under
     autocast, held Python's lock and waited for the cache's. One H200 (torch 2.11.0+cu130,
     2026-11-28): 2 of 17 warm ResNet-18 runs hung in their warm-up."""
     try:
-        on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-        with on_device:
+        with on(device):
             twin = twin.to_empty(device=device).eval()  # eval: no dropout's draws
             with torch.no_grad():
                 for tensor in [*twin.parameters(), *twin.buffers()]:
@@ -112,14 +167,26 @@ def train_once(
             for module in twin.modules():  # as autocast leaves them: batch norm's own in fp32
                 if isinstance(module, _BatchNorm):
                     module.float()
+            losses = []
             for shape in shapes:
                 images = torch.zeros(shape, device=device, dtype=precision).contiguous(memory_format=layout)
                 labels = torch.zeros(shape[0], dtype=torch.long, device=device)
-                F.cross_entropy(twin(images).float(), labels).backward()  # into the copy's gradients
+                losses.append(F.cross_entropy(twin(images).float(), labels))
+            return losses
+    except Exception:  # the run's own first steps autotune what this did not
+        log.debug("autotuning the forward ahead failed; the warm-up autotunes itself", exc_info=True)
+        return []
+
+
+def backward_passes(losses: list[torch.Tensor], device: torch.device) -> None:
+    try:
+        with on(device):
+            for loss in losses:
+                loss.backward()  # into the copy's gradients
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-    except Exception:  # the run's own first steps autotune what this did not
-        log.debug("autotuning ahead failed; the warm-up autotunes itself", exc_info=True)
+    except Exception:
+        log.debug("autotuning the backward ahead failed; the warm-up autotunes itself", exc_info=True)
 
 
 def shapes_to_time(batch_size: int, image_size: int, low_res: int, low_res_epochs: int) -> list[tuple]:
