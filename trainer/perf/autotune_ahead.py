@@ -10,7 +10,11 @@ trained one step on zeros at each batch shape, has both timed where the run will
 
 - its forward passes run on the main thread, while a thread of ours builds the data (torch lets
   go of Python's lock inside each operator: the two overlap). Before, the forward's timing was
-  left to the warm-up: 0.9-1.1 s of ResNet-18's (README, "From Enter to result");
+  left to the warm-up. ResNet-18 (recipe=resnet18_94 step_graph=true, one H200, torch 2.11,
+  medians of 4 taking turns, README "From Enter to result"): compile_s 2.70 s against 5.10 s
+  and wall_s 18.8 s against 20.8 s on synthetic data; on CIFAR-10, whose cached data takes
+  0.3-0.5 s to load and hides less of the forward's 0.9-1.0 s, compile_s 4.15 s against 5.68 s,
+  setup_s 0.9 s longer, wall_s 22.9 s against 24.0 s;
 - its backward passes then run from a thread of ours, beside the rest of the set-up, the
   imports of torch.compile's compiler and its tracing. On one H100 (torch 2.11.0+cu130, batch
   2000 of 32x32 in bf16, channels_last), the first compiled backward took 0.01 s after them
@@ -81,9 +85,7 @@ def beside(
     timed = time.perf_counter() - started
     result = helper.result()  # raises what work() raised, before a backward begins
     log.debug(
-        "forward convolutions timed ahead in %.2f s, the data's set-up beside them took %.2f s",
-        timed,
-        time.perf_counter() - started,
+        "cuDNN's forward timing ahead took %.2f s, the data's set-up beside it %.2f s", timed, helper.seconds
     )
     if losses:
         _running = threading.Thread(target=backward_passes, args=(losses, device), name="cudnn-ahead")
@@ -118,16 +120,19 @@ class Helper:
 
     def __init__(self, work: Callable[[], T], device: torch.device):
         self.outcome: tuple[bool, object] | None = None
+        self.seconds = 0.0  # work()'s, once done
         self.thread = threading.Thread(target=self.run, args=(work, device), name="set-up-data")
         self.thread.daemon = True  # an interrupted set-up does not wait for it
         self.thread.start()
 
     def run(self, work: Callable[[], T], device: torch.device) -> None:
+        started = time.perf_counter()
         try:
             with on(device):
                 self.outcome = (True, work())
         except BaseException as error:  # handed to the caller, which raises it
             self.outcome = (False, error)
+        self.seconds = time.perf_counter() - started
 
     def result(self):
         self.thread.join()
