@@ -19,7 +19,7 @@ def nothing_timed_yet(monkeypatch):
     monkeypatch.setattr(autotune_ahead, "_timed", set())
 
 
-def small_model() -> nn.Module:
+def small_model(classes: int = 10) -> nn.Module:
     return nn.Sequential(
         nn.Conv2d(3, 8, 3, padding=1),
         nn.BatchNorm2d(8),
@@ -27,7 +27,7 @@ def small_model() -> nn.Module:
         nn.Dropout(0.5),
         nn.AdaptiveAvgPool2d(1),
         nn.Flatten(),
-        nn.Linear(8, 10),
+        nn.Linear(8, classes),
     )
 
 
@@ -40,8 +40,8 @@ def test_a_copy_built_on_the_meta_device_trains_without_a_random_draw(monkeypatc
     monkeypatch.setattr(autotune_ahead, "autotunes", lambda device: True)
     copies = []
 
-    def build() -> nn.Module:
-        model = small_model()
+    def build(classes: int) -> nn.Module:
+        model = small_model(classes)
         copies.append((model, next(model.parameters()).device.type))
         return model
 
@@ -64,8 +64,8 @@ def test_the_data_is_built_in_a_thread_beside_the_forward_and_the_backward_follo
     threads, copies = {}, []
     here = threading.current_thread()
 
-    def build() -> nn.Module:
-        model = small_model()
+    def build(classes: int) -> nn.Module:
+        model = small_model(classes)
         model[0].register_forward_hook(lambda *_: threads.update(forward=threading.current_thread()))
         copies.append(model)
         return model
@@ -90,12 +90,36 @@ def test_what_the_data_raises_is_raised_here_and_no_backward_begins(monkeypatch)
     with pytest.raises(ValueError, match="larger than the data"):
         beside(work, small_model, settings=("e",))
     assert autotune_ahead._running is None
+    assert ("e",) not in autotune_ahead._timed  # a sweep's next job with these settings times them
+
+
+def test_a_forward_that_fails_at_a_later_shape_keeps_the_shapes_done(monkeypatch):
+    monkeypatch.setattr(autotune_ahead, "autotunes", lambda device: True)
+    shapes = [(2, 3, 8, 8), (2, 3, 9, 9)]
+
+    def build(classes: int) -> nn.Module:
+        model = small_model(classes)
+        model[0].register_forward_pre_hook(lambda module, inputs: 1 / 0 if inputs[0].shape[-1] == 9 else None)
+        return model
+
+    twin = autotune_ahead.meta_copy(build)
+    losses = autotune_ahead.forward_passes(
+        twin, torch.device("cpu"), shapes, lambda: None, torch.contiguous_format
+    )
+    assert len(losses) == 1  # the 9x9 pass raised; the 8x8 one's backward can still be timed
+
+
+def test_a_cuda_device_without_index_is_the_callers_current_one():
+    assert autotune_ahead.with_index(torch.device("cpu")) == torch.device("cpu")
+    assert autotune_ahead.with_index(torch.device("cuda", 1)) == torch.device("cuda", 1)
+    if not torch.cuda.is_initialized():  # before CUDA starts, every thread's current device is 0
+        assert autotune_ahead.with_index(torch.device("cuda")) == torch.device("cuda", 0)
 
 
 def test_a_model_the_meta_device_cannot_build_leaves_the_data_to_this_thread(monkeypatch):
     monkeypatch.setattr(autotune_ahead, "autotunes", lambda device: True)
 
-    def build() -> nn.Module:
+    def build(classes: int) -> nn.Module:
         raise RuntimeError("user code that needs real tensors")
 
     assert beside(threading.current_thread, build, settings=("b",)) is threading.current_thread()
@@ -119,8 +143,8 @@ def test_the_copy_runs_in_the_runs_precision_without_autocast(monkeypatch):
     monkeypatch.setattr(autotune_ahead, "autotunes", lambda device: True)
     seen, copies = [], []
 
-    def build() -> nn.Module:
-        model = small_model()
+    def build(classes: int) -> nn.Module:
+        model = small_model(classes)
         for layer in model[:2]:  # the convolution, then its batch norm
             layer.register_forward_pre_hook(
                 lambda module, inputs: seen.append(

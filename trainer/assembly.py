@@ -39,10 +39,6 @@ from trainer.preflight import no_cuda_device
 from trainer.timing import data_wait_timer
 
 log = logging.getLogger(__name__)
-# The class count of the model's copy that cuDNN's autotuning runs on beside the data's set-up,
-# before the data says how many: it sizes the classifier, a matmul cuDNN does not time (a
-# model.target whose convolutions depend on it has those timed in its warm-up instead).
-TWIN_CLASSES = 10
 
 
 def nothing() -> None:
@@ -65,10 +61,8 @@ def assemble(cfg: TrainConfig, ranks: Ranks, device: torch.device) -> Parts:
     perf.apply_backend_flags(cfg, device)
     listing = begin_listing(cfg.data)  # the helper process first: it runs beside what follows
     cuda_ready, cache_keys_ready = perf.begin_ahead(cfg, device)  # beside the data's set-up
-    data = functools.partial(build_data, cfg, ranks, device, listing)
-    twin = functools.partial(build_model, shapes_only(cfg.model), TWIN_CLASSES)
-    splits, train_loader, train_batches, test_batches, setup_data_s = perf.beside_autotuning(
-        cfg, device, twin, data
+    splits, train_loader, train_batches, test_batches, setup_data_s = data_beside_autotuning(
+        cfg, ranks, device, listing
     )
     raw_model, model, ddp_model, step_graph, meter, init_s = build_network(cfg, ranks, device, splits)
     global_batch = cfg.batch_size * ranks.world_size * cfg.grad_accum_steps
@@ -140,6 +134,16 @@ def describe(cfg: TrainConfig, splits: Splits) -> str:
         f"model: {cfg.model.target or cfg.model.name.value} | "
         f"data: {cfg.data.source.value} ({len(splits.train)} train, {len(splits.test)} test)"
     )
+
+
+def data_beside_autotuning(
+    cfg: TrainConfig, ranks: Ranks, device: torch.device, listing: ListingAhead | None
+) -> tuple:
+    """build_data's result, the data built in a thread while cuDNN times the forward
+    convolutions of a copy of the model on this one (trainer/perf/autotune_ahead.py), where it
+    autotunes; built here otherwise."""
+    data = functools.partial(build_data, cfg, ranks, device, listing)
+    return perf.beside_autotuning(cfg, device, data, functools.partial(build_model, shapes_only(cfg.model)))
 
 
 def build_data(

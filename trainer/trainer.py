@@ -6,6 +6,7 @@
 Which file to open for a change:
     trainer/assembly.py     a new component: config -> Parts (model, loaders, optimizer, ...)
     trainer/loop.py         the epoch, the step, evaluation between epochs
+    trainer/warm_up.py      the steps and the evaluation before the clock (compile_s)
     trainer/run.py          the run folder: checkpoints, metrics.json, signals, the summary
     trainer/perf/           a new optimization toggle
     trainer/distributed.py  launching DDP ranks, the process group
@@ -109,7 +110,8 @@ class Trainer:
         return self
 
     def evaluate(self) -> dict:
-        """Test loss and accuracy of the evaluated model (the loop calls this: a subclass may wrap it)."""
+        """Test loss and accuracy of the evaluated model (the loop calls this: a subclass may wrap
+        it; the warm-up's evaluation, of two batches, calls loop.evaluate itself)."""
         return loop.evaluate(self.parts)
 
     def _forward_backward(

@@ -33,9 +33,9 @@ def warm_up(parts: Parts, epoch: int) -> float:
         return 0.0
     started = time.perf_counter()
     log.info(
-        "warm-up: %d steps per image size and the evaluation of two batches before the clock "
-        "starts (%s); a first run of these settings compiles from scratch, a later one reads "
-        "torch's caches",
+        "warm-up: %d steps per image size and the evaluation's first and last batch before the "
+        "clock starts (%s); a first run of these settings compiles from scratch, a later one "
+        "reads torch's caches",
         parts.warm_up_steps,
         parts.warm_up_work,
     )
@@ -63,9 +63,11 @@ def warm_up_steps(parts: Parts, epoch: int) -> None:
             loop.apply_gradients(parts)
     for name, part in changed.items():
         part.load_state_dict(saved[name])
-    # the evaluation's first run (its kernels' first loads) outside time to target: on its first
-    # and last batch, the two shapes it runs at; its other batches only cost their time again
-    # (a warm 6-view evaluation of ResNet-18 takes 0.28 s on an H200, README "From Enter to result")
+    # the evaluation's first run (its kernels' first loads) outside time to target: the model runs
+    # on the first and the last batch, the two shapes it runs at; on the others it would only cost
+    # its time again (a warm 6-view evaluation of ResNet-18 takes 0.28 s on an H200, README "From
+    # Enter to result"). Every batch is still loaded, so a DataLoader's workers end as after a
+    # full pass.
     loop.evaluate(parts, first_and_last(parts.test_batches))
     parts.synchronize()
 

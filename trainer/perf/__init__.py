@@ -15,7 +15,7 @@ A new toggle is a field in trainer/config.py and a few lines in the file of its 
   compile_workers.py  when torch.compile's compile-worker pool is stopped, and how
   compile_keys.py  torch's compile-cache keys worked out beside the set-up
   cuda_start.py  CUDA, cuDNN and cuBLAS started in a thread beside the set-up's imports
-  autotune_ahead.py  cuDNN's autotuning of the convolutions done beside the data's set-up
+  autotune_ahead.py  cuDNN's autotuning of the convolutions on a copy, begun beside the data's set-up
   ddp.py       how ranks average gradients (ddp_sync): DistributedDataParallel and its ddp_*
                communication toggles, or all_reduce.py's one all-reduce after backward
   step_graph.py forward, backward and gradient average as one CUDA graph (step_graph)
@@ -31,6 +31,7 @@ import contextlib
 import functools
 import logging
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
@@ -78,6 +79,8 @@ from trainer.perf.model import (
 from trainer.perf.notes import at_default, cannot_act, override_value, say_once
 from trainer.perf.profiler import Profiler
 from trainer.perf.step_graph import StepGraph, step_graph_acts
+
+T = TypeVar("T")
 
 __all__ = [
     "DDP_TOGGLES",
@@ -160,10 +163,12 @@ def begin_ahead(cfg: TrainConfig, device: torch.device) -> tuple[Callable[[], No
     return cuda_ahead(cfg, device, lambda: amp_dtype(cfg, device)), cache_keys_ahead(cfg)
 
 
-def beside_autotuning(cfg: TrainConfig, device: torch.device, build: Callable[[], torch.nn.Module], work):
+def beside_autotuning(
+    cfg: TrainConfig, device: torch.device, work: Callable[[], T], build: Callable[[int], torch.nn.Module]
+) -> T:
     """`work()` (the data's set-up) in a thread while this thread times cuDNN's forward
-    convolutions on a copy of the model (`build()`) at each of the run's batch shapes, in its
-    precision and memory format, then their backward in a thread (autotune_ahead.py); the
+    convolutions on a copy of the model (`build(classes)`) at each of the run's batch shapes, in
+    its precision and memory format, then their backward in a thread (autotune_ahead.py); the
     warm-up waits for that before CUDA graphs record (`autotune_ahead.wait`). Returns `work()`'s
     result; where cuDNN does not autotune, `work()` alone."""
     low_res = (cfg.data.low_res, cfg.data.low_res_epochs)

@@ -38,7 +38,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -50,13 +50,16 @@ T = TypeVar("T")
 
 # The backward passes' thread of this process's run, until waited for.
 _running: threading.Thread | None = None
+# The copy's class count, before the data says the run's: it sizes the classifier, a matmul cuDNN
+# does not time (a model.target whose convolutions depend on it has those timed in its warm-up).
+COPY_CLASSES = 10
 # What this process had timed ahead already (a sweep's later jobs in it): its caches still hold it.
 _timed: set[tuple] = set()
 
 
 def beside(
     work: Callable[[], T],
-    build: Callable[[], nn.Module],
+    build: Callable[[int], nn.Module],
     device: torch.device,
     shapes: list[tuple[int, ...]],
     dtype: Callable[[], torch.dtype | None],
@@ -67,27 +70,34 @@ def beside(
     (torch.backends.cudnn.benchmark as the backend switches left it), `work()` runs in a thread
     while this thread runs a copy of the model forward on zero images of each batch shape, in
     the run's autocast dtype (`dtype()`; None: full precision) and memory `layout`; then a thread
-    runs their backward passes (`wait()` waits for it). The copy is `build()` on the meta device
-    (no random draws: its values do not decide cuDNN's choice), given memory and zeros here.
-    Once per `settings` (what decides the convolutions' shapes and types) in a process;
-    elsewhere `work()` runs here, alone."""
+    runs their backward passes (`wait()` waits for it). The copy is `build(COPY_CLASSES)` on the
+    meta device (no random draws: its values do not decide cuDNN's choice), given memory and
+    zeros here. Once per `settings` (what decides the convolutions' shapes and types) in a
+    process; elsewhere `work()` runs here, alone. The GPU is shared meanwhile: `work()`'s copies
+    to it (data.loader=gpu) may fall inside a timing, which the runs measured did not show (the
+    same images/s, README "From Enter to result")."""
     global _running
     wait()
     if not autotunes(device) or settings in _timed:
         return work()
-    _timed.add(settings)
     twin = meta_copy(build)
     if twin is None:
         return work()
-    helper = Helper(work, device)
+    device = with_index(device)
+    data = WorkThread(work, device)
     started = time.perf_counter()
     losses = forward_passes(twin, device, shapes, dtype, layout)
     timed = time.perf_counter() - started
-    result = helper.result()  # raises what work() raised, before a backward begins
+    try:
+        result = data.result()  # raises what work() raised, before a backward begins
+    except BaseException:
+        losses.clear()  # the copy's graphs, which the traceback would keep until a collection
+        raise
     log.debug(
-        "cuDNN's forward timing ahead took %.2f s, the data's set-up beside it %.2f s", timed, helper.seconds
+        "cuDNN's forward timing ahead took %.2f s, the data's set-up beside it %.2f s", timed, data.seconds
     )
     if losses:
+        _timed.add(settings)
         _running = threading.Thread(target=backward_passes, args=(losses, device), name="cudnn-ahead")
         _running.daemon = True  # a set-up that fails before the warm-up does not wait for it
         _running.start()
@@ -106,17 +116,26 @@ def wait() -> None:
         _running = None
 
 
-def meta_copy(build: Callable[[], nn.Module]) -> nn.Module | None:
+def meta_copy(build: Callable[[int], nn.Module]) -> nn.Module | None:
+    """`build(COPY_CLASSES)` on the meta device with the random state put back after, or None
+    where the meta device cannot build it."""
     try:
         with torch.device("meta"), torch.random.fork_rng(devices=[]):
-            return build()
+            return build(COPY_CLASSES)
     except Exception:  # a model.target the meta device cannot build: its warm-up autotunes it all
         log.debug("no copy of the model to autotune ahead on", exc_info=True)
         return None
 
 
-class Helper:
-    """`work()` in a thread of its own, on `device` as the current CUDA device."""
+def with_index(device: torch.device) -> torch.device:
+    """`cuda` as cuda:N, N the calling thread's current device: another thread's is its own (0)."""
+    if device.type != "cuda" or device.index is not None:
+        return device
+    return torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_initialized() else 0)
+
+
+class WorkThread(Generic[T]):
+    """`work()` in a thread of its own, `device` its current CUDA device; `result()` waits."""
 
     def __init__(self, work: Callable[[], T], device: torch.device):
         self.outcome: tuple[bool, object] | None = None
@@ -128,21 +147,23 @@ class Helper:
     def run(self, work: Callable[[], T], device: torch.device) -> None:
         started = time.perf_counter()
         try:
-            with on(device):
+            with cuda_device(device):
                 self.outcome = (True, work())
         except BaseException as error:  # handed to the caller, which raises it
             self.outcome = (False, error)
         self.seconds = time.perf_counter() - started
 
-    def result(self):
+    def result(self) -> T:
+        """work()'s result once it is done; what it raised is raised here."""
         self.thread.join()
-        done, value = self.outcome
+        (done, value), self.outcome = self.outcome, None
         if not done:
             raise value
         return value
 
 
-def on(device: torch.device) -> contextlib.AbstractContextManager:
+def cuda_device(device: torch.device) -> contextlib.AbstractContextManager:
+    """`device` as the current CUDA device inside, where it is one."""
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
@@ -161,8 +182,9 @@ def forward_passes(
     freeing the cached weights waited for Python's lock, while the main thread, tracing under
     autocast, held Python's lock and waited for the cache's. One H200 (torch 2.11.0+cu130,
     2026-11-28): 2 of 17 warm ResNet-18 runs hung in their warm-up."""
+    losses = []
     try:
-        with on(device):
+        with cuda_device(device):
             twin = twin.to_empty(device=device).eval()  # eval: no dropout's draws
             with torch.no_grad():
                 for tensor in [*twin.parameters(), *twin.buffers()]:
@@ -172,20 +194,18 @@ def forward_passes(
             for module in twin.modules():  # as autocast leaves them: batch norm's own in fp32
                 if isinstance(module, _BatchNorm):
                     module.float()
-            losses = []
             for shape in shapes:
                 images = torch.zeros(shape, device=device, dtype=precision).contiguous(memory_format=layout)
                 labels = torch.zeros(shape[0], dtype=torch.long, device=device)
                 losses.append(F.cross_entropy(twin(images).float(), labels))
-            return losses
     except Exception:  # the run's own first steps autotune what this did not
         log.debug("autotuning the forward ahead failed; the warm-up autotunes itself", exc_info=True)
-        return []
+    return losses  # those of the shapes done
 
 
 def backward_passes(losses: list[torch.Tensor], device: torch.device) -> None:
     try:
-        with on(device):
+        with cuda_device(device):
             for loss in losses:
                 loss.backward()  # into the copy's gradients
             if device.type == "cuda":

@@ -1,5 +1,7 @@
 """CUDA's start beside the set-up's imports: the context, cuDNN's and cuBLAS's libraries loaded
-in a thread while the main thread imports dynamo and inductor and reads the data.
+in a thread while the main thread imports dynamo and inductor, and the data is read (where cuDNN
+autotunes, the main thread's first CUDA call, cuDNN's forward timing in autotune_ahead.py, waits
+for this start).
 
 A fresh process pays each once, at its first use: on one H100 (torch 2.11.0+cu130) starting
 CUDA took 0.13-0.16 s, the first convolution's forward and backward (cuDNN's libraries) 0.16-0.17 s
