@@ -135,7 +135,11 @@ def with_index(device: torch.device) -> torch.device:
 
 
 class WorkThread(Generic[T]):
-    """`work()` in a thread of its own, `device` its current CUDA device; `result()` waits."""
+    """`work()` in a thread of its own, `device` its current CUDA device; `result()` waits.
+    Why not concurrent.futures' thread pool, whose futures hand results and exceptions over
+    alike: its threads are joined at the interpreter's exit, so a set-up interrupted by Ctrl-C
+    would wait there for the data it no longer needs (the decoding of every image, on a first
+    run); this thread is a daemon."""
 
     def __init__(self, work: Callable[[], T], device: torch.device):
         self.outcome: tuple[bool, object] | None = None
