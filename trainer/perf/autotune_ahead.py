@@ -112,8 +112,10 @@ def wait() -> None:
     """Until the backward passes' thread is done, where one runs."""
     global _running
     if _running is not None:
+        started = time.perf_counter()
         _running.join()
         _running = None
+        log.debug("waited %.2f s for cuDNN's backward timing ahead", time.perf_counter() - started)
 
 
 def meta_copy(build: Callable[[int], nn.Module]) -> nn.Module | None:
