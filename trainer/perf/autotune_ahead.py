@@ -14,7 +14,10 @@ trained one step on zeros at each batch shape, has both timed where the run will
   medians of 4 taking turns, README "From Enter to result"): compile_s 2.70 s against 5.10 s
   and wall_s 18.8 s against 20.8 s on synthetic data; on CIFAR-10, whose cached data takes
   0.3-0.5 s to load and hides less of the forward's 0.9-1.0 s, compile_s 4.15 s against 5.68 s,
-  setup_s 0.9 s longer, wall_s 22.9 s against 24.0 s;
+  setup_s 0.9 s longer, wall_s 22.9 s against 24.0 s; the fast CNN on CIFAR-10 (medians of 3):
+  compile_s 1.07 s against 1.41 s, wall_s 6.94 s against 7.37 s. Synthetic images are drawn
+  more slowly beside the forward (1.07 s against 0.84-0.98 s alone, profiled; why is not known):
+  the fast CNN's synthetic runs took 0.5 s longer;
 - its backward passes then run from a thread of ours, beside the rest of the set-up, the
   imports of torch.compile's compiler and its tracing. On one H100 (torch 2.11.0+cu130, batch
   2000 of 32x32 in bf16, channels_last), the first compiled backward took 0.01 s after them
