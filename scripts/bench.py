@@ -11,8 +11,10 @@ no row inherits another's compiled graphs, cuDNN plans or allocator state):
   peers    the trainer against scripts/handwritten_loop.py at identical settings: the classic
            torchvision pipeline (2 workers, fp32 with TF32 convolutions, batch 128), the same
            with the usual checklist (8 workers, pinned memory, non-blocking copies, fp16 AMP,
-           channels_last, set_to_none, cuDNN autotuning, batch 512), perf=fast, and perf=fast
-           with every epoch at 24x24 (data.low_res, progressive resizing's small epochs)
+           channels_last, set_to_none, cuDNN autotuning, batch 512), perf=fast, perf=fast
+           with every epoch at 24x24 (data.low_res, progressive resizing's small epochs), and
+           perf=fast with optim=muon as recipe=resnet18_94 runs it (step_graph=true) against a
+           hand-written Muon step compiled into a CUDA graph (scripts/handwritten_muon.py)
   default  `python -m trainer` with no override, and with amp=true
   added    each toggle added to a fed baseline (perf=default: fp32, batch 128, num_workers=auto)
   removed  each toggle taken out of perf=fast (leave-one-out)
@@ -89,6 +91,9 @@ HAND_CHECKLIST = [
     "--set-to-none", "--cudnn-benchmark", "--batch-size", "512",
 ]  # fmt: skip
 
+# optim=muon at recipe=resnet18_94's settings, which scripts/handwritten_muon.py's defaults are
+MUON = ["optim=muon", "optim.muon_lr=0.12", "optim.muon_momentum=0.6", "optim.muon_fixed_norm=true",
+        "optim.muon_ns_steps=3"]  # fmt: skip
 # section -> rows; the first row of a section is its reference for the speed-up
 SECTIONS: dict[str, list[Row]] = {
     "peers": [
@@ -104,6 +109,9 @@ SECTIONS: dict[str, list[Row]] = {
             handwritten=["--loader", "gpu", "--low-res", "24", "--low-res-epochs", "99"],
         ),
         Row("low-res: trainer", ["perf=fast", "data.low_res=24", "data.low_res_epochs=99"]),
+        # optim=muon as recipe=resnet18_94 steps it (its Muon settings, the step a CUDA graph)
+        Row("muon: hand-written", handwritten=["--loader", "gpu", "--optimizer", "muon"]),
+        Row("muon: trainer", ["perf=fast", "step_graph=true", *MUON]),
     ],
     "default": [
         Row("default", []),

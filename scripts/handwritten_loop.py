@@ -15,7 +15,9 @@ No config system, no logging, no checks. Two loaders, the two paths the trainer 
                     with --gpus N, data-parallel as the PyTorch documentation writes it: one
                     process per GPU (torch.multiprocessing.spawn), NCCL, each rank its share of
                     one shuffled order, torch.compile(DistributedDataParallel(model)) with
-                    gradients as bucket views, --batch-size images per GPU
+                    gradients as bucket views, --batch-size images per GPU; with
+                    --optimizer muon the convolution weights take a hand-written Muon step,
+                    compiled (scripts/handwritten_muon.py), the other parameters fused SGD
 
 Both: ResNet-18 (CIFAR stem) or the cnn, SGD (lr 0.05, momentum 0.9, Nesterov, weight decay
 5e-4) with OneCycle (20% warm-up), no label smoothing, a random flip each epoch, no TTA:
@@ -24,6 +26,7 @@ scripts/bench.py runs the trainer's rows with this recipe (PEER_RECIPE).
     python scripts/handwritten_loop.py --loader classic --workers 2 --epochs 3 --out /tmp/hand
     python scripts/handwritten_loop.py --loader classic --loader-only --workers 2   # CPU: no model
     python scripts/handwritten_loop.py --gpus 2 --batch-size 256 --epochs 3 --out /tmp/hand-ddp
+    python scripts/handwritten_loop.py --optimizer muon --epochs 3 --out /tmp/hand-muon
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 import torchvision.transforms as T
+from handwritten_muon import HandMuon, split_parameters  # this script's folder
 from PIL import Image
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
@@ -149,9 +153,16 @@ def arguments():
         "--low-res-epochs", type=int, default=0, help="gpu loader: how many epochs at --low-res"
     )
     parser.add_argument("--gpus", type=int, default=1, help="gpu loader: data-parallel over this many GPUs")
+    muon = parser.add_argument_group("gpu loader, --optimizer muon (scripts/handwritten_muon.py)")
+    muon.add_argument("--optimizer", default="sgd", choices=["sgd", "muon"])
+    muon.add_argument("--muon-lr", type=float, default=0.12)
+    muon.add_argument("--muon-momentum", type=float, default=0.6)
+    muon.add_argument("--muon-ns-steps", type=int, default=3)
     args = parser.parse_args()
     if args.gpus > 1 and args.loader != "gpu":
         parser.error("--gpus: the gpu loader only")
+    if args.optimizer == "muon" and args.loader != "gpu":
+        parser.error("--optimizer muon: the gpu loader only")
     available = torch.cuda.device_count() if torch.cuda.is_available() else None
     if args.gpus < 1 or (available is not None and args.gpus > available):
         parser.error(
@@ -201,9 +212,16 @@ def train(rank: int, args, port: int | None) -> None:
         # static shapes: a second image size (--low-res) gets a graph of its own, not a dynamic one
         step_model = torch.compile(step_model, mode=args.compile_mode, dynamic=False)
     peak_lr = 0.05 * args.batch_size * world / 128  # 0.05 per 128 images, scaled linearly
+    muon_weights, sgd_params = [], list(model.parameters())
+    if args.optimizer == "muon":
+        muon_weights, sgd_params = split_parameters(model)
     optimizer = torch.optim.SGD(
-        model.parameters(), lr=peak_lr, momentum=0.9, nesterov=True, weight_decay=5e-4, fused=gpu_path or None
+        sgd_params, lr=peak_lr, momentum=0.9, nesterov=True, weight_decay=5e-4, fused=gpu_path or None
     )
+    muon = None
+    if muon_weights:
+        mode = "none" if device.type != "cuda" else args.compile_mode
+        muon = HandMuon(muon_weights, args.muon_lr, args.muon_momentum, args.muon_ns_steps, mode)
     scheduler = torch.optim.lr_scheduler.OneCycleLR(
         optimizer, peak_lr, total_steps=args.epochs * steps_per_epoch, pct_start=0.2
     )
@@ -239,6 +257,9 @@ def train(rank: int, args, port: int | None) -> None:
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad(set_to_none=set_to_none)
+            if muon is not None:  # bf16: no scaler between it and the gradients
+                muon.step()
+                muon.zero_grad()
             scheduler.step()
         synchronize()
         seconds = torch.tensor(time.perf_counter() - started, device=device)
