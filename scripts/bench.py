@@ -91,7 +91,7 @@ HAND_CHECKLIST = [
     "--set-to-none", "--cudnn-benchmark", "--batch-size", "512",
 ]  # fmt: skip
 
-# optim=muon at recipe=resnet18_94's settings, which scripts/handwritten_muon.py's defaults are
+# optim=muon at recipe=resnet18_94's settings, scripts/handwritten_loop.py's Muon defaults
 MUON = ["optim=muon", "optim.muon_lr=0.12", "optim.muon_momentum=0.6", "optim.muon_fixed_norm=true",
         "optim.muon_ns_steps=3"]  # fmt: skip
 # section -> rows; the first row of a section is its reference for the speed-up

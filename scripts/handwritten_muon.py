@@ -61,8 +61,10 @@ class HandMuon:
         self.run([weight.grad for weight in self.weights])
 
     @torch.no_grad()
-    def step_all(self, grads: list[torch.Tensor]) -> None:
+    def step_all(self, grads: list[torch.Tensor | None]) -> None:
         for weight, grad, buffer in zip(self.weights, grads, self.buffers):
+            if grad is None:  # a convolution this step did not use: left as it is, as Muon leaves it
+                continue
             weight.mul_(math.sqrt(weight.size(0)) / weight.norm().clamp(min=1e-30))
             buffer.lerp_(grad, 1 - self.momentum)
             direction = grad.lerp(buffer, self.momentum).reshape(weight.size(0), -1)
