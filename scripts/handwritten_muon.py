@@ -1,8 +1,8 @@
 """Muon written by hand for scripts/handwritten_loop.py (--optimizer muon): the peer of the
 trainer's optim=muon, as a PyTorch user tuning for speed writes it.
 
-Each convolution weight is Muon's (as optim=muon picks them), every other parameter SGD's. A
-step, for each weight in turn: rescaled to a Frobenius norm of sqrt(output channels)
+Each convolution weight is Muon's (picked by optim=muon's own rule), every other parameter
+SGD's. A step, for each weight in turn: rescaled to a Frobenius norm of sqrt(output channels)
 (optim.muon_fixed_norm), its momentum buffer lerped towards the gradient, Nesterov's direction
 seen as output channels x fan-in, three (--muon-ns-steps) quintic Newton-Schulz rounds in bf16
 with torch.optim.Muon's coefficients, and the update added at lr x sqrt(max(1, rows/columns))
@@ -22,12 +22,15 @@ import math
 import torch
 from torch import nn
 
+from trainer.muon import convolution_weights
+
 COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's
 
 
 def split_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-    """(the 2-D convolutions' weights: Muon's, every other parameter: SGD's)."""
-    convolutions = {id(module.weight) for module in model.modules() if isinstance(module, nn.Conv2d)}
+    """(the 2-D convolutions' weights: Muon's, every other parameter: SGD's), picked as
+    optim=muon picks them."""
+    convolutions = convolution_weights(model)
     muon = [param for param in model.parameters() if id(param) in convolutions]
     return muon, [param for param in model.parameters() if id(param) not in convolutions]
 
