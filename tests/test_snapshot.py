@@ -97,3 +97,19 @@ def test_a_state_that_cannot_be_serialized_fails_at_the_wait_and_leaves_the_last
         saver.wait()
     assert path.read_bytes() == written
     saver.wait()  # the failure is raised once
+
+
+def test_two_storages_over_the_same_memory_are_copied_apart():
+    whole = torch.arange(10.0)
+    head = torch.from_numpy(whole.numpy()[:5])  # another storage at the same address, shorter
+    taken = StateSnapshot().taken({"head": head, "whole": whole})
+
+    assert torch.equal(taken["whole"], torch.arange(10.0)) and torch.equal(taken["head"], torch.arange(5.0))
+
+
+def test_a_parameter_shares_its_copy_with_its_views():
+    weight = torch.nn.Parameter(torch.arange(6.0))
+    taken = StateSnapshot().taken({"weight": weight, "view": weight.detach()[1:3]})
+
+    assert taken["view"].untyped_storage().data_ptr() == taken["weight"].untyped_storage().data_ptr()
+    assert torch.equal(taken["view"], torch.tensor([1.0, 2.0]))

@@ -35,7 +35,7 @@ class StateSnapshot:
     def taken(self, state: object) -> object:
         import torch
 
-        copies: dict[tuple, object] = {}  # (device, data_ptr) -> the storage's host copy
+        copies: dict[tuple, object] = {}  # (device, the storage) -> its host copy
         snapshot = self._rebuilt(state, copies)
         devices = {key[0] for key in copies if key[0].type == "cuda"}
         for device in devices:  # the copies went without waiting: wait once per GPU
@@ -60,7 +60,7 @@ class StateSnapshot:
         import torch
 
         plain = (
-            type(tensor) is torch.Tensor
+            type(tensor) in (torch.Tensor, torch.nn.Parameter)
             and tensor.layout is torch.strided
             and tensor.device.type in ("cpu", "cuda")
         )
@@ -68,7 +68,7 @@ class StateSnapshot:
             # sparse, quantized, subclasses, other devices: copied on their own, as torch.save would
             return tensor.detach() if tensor.is_meta else tensor.detach().to("cpu", copy=True)
         storage = tensor.untyped_storage()
-        key = (tensor.device, storage.data_ptr())
+        key = (tensor.device, storage._cdata)  # the storage itself, as torch.save tells them apart
         if key not in copies:
             host = self._host_storage(len(copies), storage.nbytes(), tensor.device.type == "cuda")
             source = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage)
