@@ -222,6 +222,7 @@ def train(rank: int, args, port: int | None) -> None:
     if muon_weights:
         mode = "none" if device.type != "cuda" else args.compile_mode
         muon = HandMuon(muon_weights, args.muon_lr, args.muon_momentum, args.muon_ns_steps, mode)
+    graph_steps = muon is not None and device.type == "cuda" and args.compile_mode == "reduce-overhead"
     scheduler = torch.optim.lr_scheduler.OneCycleLR(
         optimizer, peak_lr, total_steps=args.epochs * steps_per_epoch, pct_start=0.2
     )
@@ -245,6 +246,11 @@ def train(rank: int, args, port: int | None) -> None:
         for batch, target in batches:
             if args.loader_only:
                 continue
+            if graph_steps:
+                # two compiled CUDA-graph functions (the model's, Muon's step): each step is told
+                # where it begins, as torch's error asks, or Muon's replay can overwrite tensors
+                # the model's graphs still hold
+                torch.compiler.cudagraph_mark_step_begin()
             batch = batch.to(device, non_blocking=non_blocking, memory_format=fmt)
             if low_res:
                 size = (args.low_res, args.low_res)
