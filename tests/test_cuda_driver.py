@@ -122,3 +122,27 @@ def test_a_library_loads_while_the_main_thread_goes_on():
     if took < 0.02:
         pytest.skip(f"{library.name} loaded in {took * 1000:.0f} ms: too soon to tell")
     assert ticks >= 3  # held: 1, the tick before the loader took the lock
+
+
+@pytest.mark.parametrize(
+    ("settings", "expected"),
+    [
+        ({"device": "auto", "ddp": False}, True),
+        ({"device": "cpu", "ddp": False}, False),
+        ({"device": "cuda", "ddp": True}, False),
+        (
+            {"device": "cuda", "ddp": False, "hydra": {"job": {"env_set": {"CUDA_VISIBLE_DEVICES": "1"}}}},
+            False,
+        ),
+        ({"device": "cuda", "ddp": False, "hydra": {"job": {"env_set": {"OMP_NUM_THREADS": "4"}}}}, True),
+    ],
+)
+def test_a_single_run_starts_it_once_its_command_line_has_passed(driver, monkeypatch, settings, expected):
+    """Right after the checks, except where Hydra's job environment would change what cuInit
+    sees (the job starts it then, once that is set)."""
+    from omegaconf import OmegaConf
+
+    monkeypatch.setattr(cuda_driver, "loaded", lambda: True)
+    cuda_driver.start_for_run(OmegaConf.create(settings))
+    join_driver_thread()
+    assert (driver == [(0, "cuda-driver")]) is expected

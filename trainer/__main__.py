@@ -36,6 +36,7 @@ from trainer import (
     pool_ahead,
     process_exit,
     run_lock,
+    run_mode,
     sweep_checks,
     sweep_summary,
 )
@@ -143,6 +144,11 @@ def main() -> None:
             # the checks refuse ends it with this process (forkserver.stop)
             parallel_jobs.workers_from_forkserver()
         composed = check_command_line(args)
+        overrides, hydra_overrides, multirun = split_command_line(args)
+        if not multirun:  # what the checks composed answers Hydra's first question
+            run_mode.remember([*overrides, *hydra_overrides], composed)
+            run_mode.install()
+            cuda_driver.start_for_run(composed)  # beside Hydra's composition and the job's start
         if sweep_checks.jobs_checked:
             sweep_checks.install()  # Hydra's sweeper would compose every job once more
         if parallel_sweep_here(args):  # its workers start while Hydra composes the sweep again

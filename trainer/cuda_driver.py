@@ -27,6 +27,8 @@ import os
 import threading
 from pathlib import Path
 
+from omegaconf import OmegaConf
+
 _started = False
 
 
@@ -68,6 +70,20 @@ def load(name: str) -> ctypes.CDLL:
         dlopen.argtypes = (ctypes.c_char_p, ctypes.c_int)
         dlopen(name.encode(), os.RTLD_NOW | os.RTLD_LOCAL)  # a failure is ctypes.CDLL's to report
     return ctypes.CDLL(name)
+
+
+def start_for_run(cfg) -> None:
+    """A single run's driver started as soon as its command line has passed its checks (`cfg`:
+    what they composed, with Hydra's node), before Hydra composes the config again, makes the
+    run folder and starts the job: a tuner's forked trial, whose imports are done, otherwise
+    started it there and then waited for it at its first CUDA call. Not where Hydra's job
+    environment sets a CUDA_ or NVIDIA_ variable (hydra.job.env_set), which cuInit would read
+    before the job had set it: that run starts its driver in the job (trainer.__main__.run)."""
+    env_set = OmegaConf.select(cfg, "hydra.job.env_set", default=None) or {}
+    if any(str(name).startswith(("CUDA_", "NVIDIA_")) for name in env_set):
+        return
+    if runs_here(str(cfg.device), bool(cfg.ddp)):
+        start_ahead()
 
 
 def runs_here(device: str, ddp: bool) -> bool:
