@@ -93,3 +93,14 @@ def test_the_mode_is_the_checks_for_the_same_overrides_and_config_only(monkeypat
     assert run_mode.checked_mode("config", ["model=cnn"])[0] is False
     run_mode.remember(["model=cnn"], OmegaConf.create({"hydra": {"mode": None}}))
     assert run_mode.checked_mode("config", ["model=cnn"]) == (True, None)
+
+
+def test_a_command_that_only_prints_starts_no_driver(monkeypatch, capsys):
+    """--cfg job prints the config: nothing runs on CUDA."""
+    driver_asked = []
+    monkeypatch.setattr(cli.cuda_driver, "start_for_run", driver_asked.append)
+    monkeypatch.setattr(run_mode, "_checked", None)
+    monkeypatch.setattr(sys, "argv", ["trainer", "--cfg", "job", "model=cnn", "data=synthetic"])
+    cli.main()
+    assert "model:" in capsys.readouterr().out
+    assert driver_asked == []

@@ -42,7 +42,7 @@ from trainer import (
 )
 from trainer.cli_checks import CONF_DIR, check_command_line
 from trainer.cli_help import register_help
-from trainer.command_line import parallel_sweep_here, split_command_line
+from trainer.command_line import parallel_sweep_here, runs_here, split_command_line
 from trainer.config import TrainerError, register_schema
 from trainer.torchrun_env import started_by_torchrun
 
@@ -148,6 +148,7 @@ def main() -> None:
         if not multirun:  # what the checks composed answers Hydra's first question
             run_mode.remember([*overrides, *hydra_overrides], composed)
             run_mode.install()
+        if not multirun and runs_here(args, hydra_overrides):  # not --cfg, --help
             cuda_driver.start_for_run(composed)  # beside Hydra's composition and the job's start
         if sweep_checks.jobs_checked:
             sweep_checks.install()  # Hydra's sweeper would compose every job once more

@@ -42,9 +42,9 @@ def install() -> None:
     if getattr(original, "asks_the_checks", False):
         return
 
-    def get_mode(self, config_name, overrides):
+    def get_mode(self, config_name, overrides, *args, **kwargs):
         known, mode = checked_mode(config_name, overrides)
-        return mode if known else original(self, config_name, overrides)
+        return mode if known else original(self, config_name, overrides, *args, **kwargs)
 
     get_mode.asks_the_checks = True
     Hydra.get_mode = get_mode
