@@ -222,7 +222,8 @@ def train(rank: int, args, port: int | None) -> None:
     if muon_weights:
         mode = "none" if device.type != "cuda" else args.compile_mode
         muon = HandMuon(muon_weights, args.muon_lr, args.muon_momentum, args.muon_ns_steps, mode)
-    graph_steps = muon is not None and device.type == "cuda" and args.compile_mode == "reduce-overhead"
+    graphed = args.compile_mode in ("reduce-overhead", "max-autotune")  # replayed as CUDA graphs
+    graph_steps = muon is not None and device.type == "cuda" and graphed
     scheduler = torch.optim.lr_scheduler.OneCycleLR(
         optimizer, peak_lr, total_steps=args.epochs * steps_per_epoch, pct_start=0.2
     )

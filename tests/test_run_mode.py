@@ -11,11 +11,10 @@ import sys
 import pytest
 from hydra._internal.config_loader_impl import ConfigLoaderImpl
 from hydra.types import RunMode
-from omegaconf import OmegaConf
 
 import trainer.__main__ as cli
 from trainer import run_mode
-from trainer.cli_checks import composed
+from trainer.cli_checks import CONF_DIR, composed
 
 
 @pytest.fixture
@@ -84,15 +83,37 @@ def test_overrides_the_checks_saw_otherwise_are_left_to_hydra(compositions, monk
     assert len(compositions) == 3
 
 
-def test_the_mode_is_the_checks_for_the_same_overrides_and_config_only(monkeypatch):
+def test_the_mode_is_the_checks_for_the_same_overrides_in_the_same_order_only(monkeypatch):
+    """A later override of a key wins: the same words in another order are another command."""
     monkeypatch.setattr(run_mode, "_checked", None)
     cfg = composed(["model=cnn", "hydra.mode=MULTIRUN"], hydra_config=True)
     run_mode.remember(["model=cnn", "hydra.mode=MULTIRUN"], cfg)
-    assert run_mode.checked_mode("config", ["hydra.mode=MULTIRUN", "model=cnn"]) == (True, RunMode.MULTIRUN)
-    assert run_mode.checked_mode("other", ["hydra.mode=MULTIRUN", "model=cnn"])[0] is False
+    assert run_mode.checked_mode("config", ["model=cnn", "hydra.mode=MULTIRUN"]) == (True, RunMode.MULTIRUN)
+    assert run_mode.checked_mode("config", ["hydra.mode=MULTIRUN", "model=cnn"])[0] is False
+    assert run_mode.checked_mode("other", ["model=cnn", "hydra.mode=MULTIRUN"])[0] is False
     assert run_mode.checked_mode("config", ["model=cnn"])[0] is False
-    run_mode.remember(["model=cnn"], OmegaConf.create({"hydra": {"mode": None}}))
-    assert run_mode.checked_mode("config", ["model=cnn"]) == (True, None)
+    run_mode.forget()
+    assert run_mode.checked_mode("config", ["model=cnn", "hydra.mode=MULTIRUN"])[0] is False
+
+
+def test_a_hydra_override_the_checks_move_leaves_the_mode_to_hydra(compositions, monkeypatch, tmp_path):
+    """++hydra.mode is among the checks' plain overrides, hydra.mode among Hydra's: the checks'
+    list is in another order, and the command's last word is Hydra's to weigh (a single run)."""
+    folder = tmp_path / "run"
+    args = ["model=cnn", "data=synthetic", "device=cpu", f"hydra.run.dir={folder}"]
+    args += [f"hydra.sweep.dir={tmp_path / 'sweep'}", "hydra.mode=MULTIRUN", "++hydra.mode=RUN"]
+    assert job_started(monkeypatch, args) == [str(folder)]
+    assert len(compositions) == 3
+
+
+def test_a_config_path_flag_leaves_the_mode_and_the_driver_to_the_job(compositions, monkeypatch, tmp_path):
+    """-cp: Hydra reads another config.yaml than the checks composed."""
+    driver_asked = []
+    monkeypatch.setattr(cli.cuda_driver, "start_for_run", driver_asked.append)
+    folder = tmp_path / "run"
+    args = ["-cp", str(CONF_DIR), "model=cnn", "data=synthetic", "device=cpu", f"hydra.run.dir={folder}"]
+    assert job_started(monkeypatch, args) == [str(folder)]
+    assert len(compositions) == 3 and driver_asked == []
 
 
 def test_a_command_that_only_prints_starts_no_driver(monkeypatch, capsys):

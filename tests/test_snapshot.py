@@ -5,6 +5,7 @@ serializes it on its writer's thread."""
 from __future__ import annotations
 
 import collections
+import threading
 
 import pytest
 import torch
@@ -113,3 +114,32 @@ def test_a_parameter_shares_its_copy_with_its_views():
 
     assert taken["view"].untyped_storage().data_ptr() == taken["weight"].untyped_storage().data_ptr()
     assert torch.equal(taken["view"], torch.tensor([1.0, 2.0]))
+
+
+def test_an_interrupted_wait_leaves_the_write_to_the_next_wait(tmp_path):
+    """The snapshot's memory is the writer's until its write is done: a wait that Ctrl-C stops
+    does not let the next save write over it."""
+    path, saver = tmp_path / "last.pt", checkpoint.Saver()
+    release, write = threading.Event(), saver._write
+    saver._write = lambda *args: (release.wait(), write(*args))[1]  # the write still under way
+    saver.save(path, {"model": torch.nn.Linear(2, 2)}, step=1)
+    pending = saver._pending
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    pending.result = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        saver.wait()
+    del pending.result
+    assert saver._pending is pending  # still the writer's
+    release.set()
+    saver.wait()
+    assert saver._pending is None and torch.load(path, weights_only=False)["step"] == 1
+
+
+def test_a_failing_run_logs_a_checkpoint_its_writer_could_not_serialize(tmp_path, caplog):
+    saver = checkpoint.Saver()
+    saver.save(tmp_path / "last.pt", {"model": torch.nn.Linear(2, 2)}, step=1, hook=lambda: None)
+    saver.wait_logging_refusal()  # the run's own error is the one it raises
+    assert "the last checkpoint was not written" in caplog.text

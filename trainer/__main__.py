@@ -42,7 +42,7 @@ from trainer import (
 )
 from trainer.cli_checks import CONF_DIR, check_command_line
 from trainer.cli_help import register_help
-from trainer.command_line import parallel_sweep_here, runs_here, split_command_line
+from trainer.command_line import names_a_config, parallel_sweep_here, runs_here, split_command_line
 from trainer.config import TrainerError, register_schema
 from trainer.torchrun_env import started_by_torchrun
 
@@ -143,13 +143,15 @@ def main() -> None:
             # first: the server's imports overlap the checks and the sweep's start; a command
             # the checks refuse ends it with this process (forkserver.stop)
             parallel_jobs.workers_from_forkserver()
+        run_mode.forget()
         composed = check_command_line(args)
         overrides, hydra_overrides, multirun = split_command_line(args)
-        if not multirun:  # what the checks composed answers Hydra's first question
-            run_mode.remember([*overrides, *hydra_overrides], composed)
+        single = not multirun and run_mode.mode_of(composed) is not RunMode.MULTIRUN
+        if single and not names_a_config(args):  # the checks composed the config Hydra reads
+            run_mode.remember([*overrides, *hydra_overrides], composed)  # Hydra's first question
             run_mode.install()
-        if not multirun and runs_here(args, hydra_overrides):  # not --cfg, --help
-            cuda_driver.start_for_run(composed)  # beside Hydra's composition and the job's start
+            if runs_here(args, hydra_overrides):  # not --cfg, --help
+                cuda_driver.start_for_run(composed)  # beside Hydra's composition and the job's start
         if sweep_checks.jobs_checked:
             sweep_checks.install()  # Hydra's sweeper would compose every job once more
         if parallel_sweep_here(args):  # its workers start while Hydra composes the sweep again

@@ -63,17 +63,25 @@ class Saver:
         write_atomic(path, self._buffer.serialized(snapshot), "the checkpoint")
 
     def wait(self) -> None:
-        pending, self._pending = self._pending, None
-        if pending is not None:
+        pending = self._pending
+        if pending is None:
+            return
+        try:
             pending.result()
+        finally:
+            if pending.done():  # an interrupted wait leaves it to the next: its memory is in use
+                self._pending = None
 
     def wait_logging_refusal(self) -> None:
-        """wait() for a run that is failing already: its own error is the one raised, a refused
-        checkpoint is logged."""
+        """wait() for a run that is failing already: its own error is the one raised, a
+        checkpoint that failed (a refused write, a state its writer could not serialize) is
+        logged."""
         try:
             self.wait()
         except NotWritten as refused:
             log.error("%s", refused)
+        except Exception as failed:  # the writer's serialization: logged in one line, not raised
+            log.error("the last checkpoint was not written: %s: %s", type(failed).__name__, failed)
 
 
 def seed_rngs(seed: int) -> None:

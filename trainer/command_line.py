@@ -119,6 +119,16 @@ PRINT_ONLY_FLAGS = {
 }
 
 
+# Flags that make Hydra read another config than the one the checks compose (`config` in conf/)
+CONFIG_FLAGS = {"--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd"}
+
+
+def names_a_config(args: list[str]) -> bool:
+    """Whether the command line points Hydra at another config or config folder: what the
+    checks composed may then differ from the config the run is given."""
+    return any(arg.split("=")[0] in CONFIG_FLAGS for arg in args)
+
+
 def runs_here(args: list[str], hydra_overrides: list[str]) -> bool:
     """Whether this command trains on this machine, so that what it needs of the machine is
     checked here: not when Hydra only prints (--help, --cfg), nor for the jobs a cluster
