@@ -138,8 +138,15 @@ def test_an_interrupted_wait_leaves_the_write_to_the_next_wait(tmp_path):
     assert saver._pending is None and torch.load(path, weights_only=False)["step"] == 1
 
 
-def test_a_failing_run_logs_a_checkpoint_its_writer_could_not_serialize(tmp_path, caplog):
+def test_a_failing_run_logs_a_checkpoint_its_writer_failed_to_write(tmp_path, caplog):
+    """Whatever stopped the writer (here an error of its own, not a refused write) is logged:
+    the failing run's own error is the one it raises."""
     saver = checkpoint.Saver()
-    saver.save(tmp_path / "last.pt", {"model": torch.nn.Linear(2, 2)}, step=1, hook=lambda: None)
-    saver.wait_logging_refusal()  # the run's own error is the one it raises
-    assert "the last checkpoint was not written" in caplog.text
+
+    def failing(*args):
+        raise RuntimeError("the writer failed")
+
+    saver._write = failing
+    saver.save(tmp_path / "last.pt", {"model": torch.nn.Linear(2, 2)}, step=1)
+    saver.wait_logging_refusal()
+    assert "the last checkpoint was not written: RuntimeError: the writer failed" in caplog.text
