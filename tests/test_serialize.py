@@ -1,5 +1,6 @@
 """A checkpoint's bytes (trainer/serialize.py): a torch zip without CRC-32s that torch.load
-reads, made in memory kept from one checkpoint to the next, torch's own setting left as it was."""
+reads, the snapshot's storages kept as views of it and read only by the writer, torch's own
+setting left as it was."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import zipfile
 
 import torch
 
-from trainer import checkpoint
-from trainer.serialize import CheckpointBuffer, storage_bytes
+from trainer import checkpoint, serialize
+from trainer.serialize import address, serialized
+from trainer.snapshot import StateSnapshot
 
 
 def loaded(data) -> dict:
@@ -30,30 +32,44 @@ def test_a_checkpoint_is_written_without_crc32s_and_loads(tmp_path):
     assert any(record.CRC != 0 for record in zipfile.ZipFile(default).infolist())
 
 
-def test_the_memory_is_kept_for_the_next_checkpoint_and_grows_when_the_state_does():
-    from torch.utils.serialization import config
+def test_the_storages_bytes_are_kept_as_views_of_the_snapshot_unread():
+    """torch.save runs on the caller's thread and reads no storage of the snapshot: the writer
+    reads them once the copies are done. What it writes is torch.save's file, byte for byte."""
+    snapshots = StateSnapshot()
+    state = {"weight": torch.arange(1000.0), "names": ["a", "b"], "step": 3}
+    taken = snapshots.taken(state)
+    waited = []
+    parts = serialized(taken, snapshots.blocks, lambda: waited.append(True))
 
-    buffer, weight = CheckpointBuffer(), torch.arange(1000.0)
-    first = bytes(buffer.serialized({"weight": weight}))
-    memory = buffer.memory
-    weight.add_(1.0)
-    second = buffer.serialized({"weight": weight})
-
-    assert buffer.memory is memory  # written over, not made anew
-    assert torch.equal(loaded(first)["weight"], torch.arange(1000.0))
-    assert torch.equal(loaded(second)["weight"], torch.arange(1000.0) + 1)
-    larger = buffer.serialized({"weight": weight, "more": torch.ones(1_000_000)})
-    assert buffer.memory is not memory and torch.equal(loaded(larger)["more"], torch.ones(1_000_000))
-    assert config.save.compute_crc32 is True  # torch's setting as it was
-
-
-def test_more_than_expected_is_kept_whole():
-    buffer = CheckpointBuffer()
-    buffer.serialized({"small": torch.zeros(10)})
-    state = {"names": [f"name {index}" for index in range(20_000)], "weight": torch.zeros(10)}
-    assert loaded(buffer.serialized(state))["names"][-1] == "name 19999"  # pickled data beyond the estimate
+    storage = taken["weight"].untyped_storage()
+    views = [part for part in parts if isinstance(part, memoryview)]
+    assert [address(view) for view in views] == [storage.data_ptr()]
+    assert not waited  # no copy was needed: nothing was read early
+    taken["weight"].add_(1)  # the copy lands after the pickling: the file has what is there then
+    assert torch.equal(loaded(b"".join(parts))["weight"], torch.arange(1000.0) + 1)
+    with serialize.without_zip_checksum():
+        direct = io.BytesIO()
+        torch.save(taken, direct)
+    assert b"".join(parts) == direct.getvalue()
 
 
-def test_the_size_counts_each_storage_once():
-    whole = torch.zeros(1000)
-    assert storage_bytes({"a": whole[:10], "b": [whole[10:20], whole]}) == whole.nbytes
+def test_a_block_torch_did_not_hand_over_whole_is_made_again_after_the_copies(monkeypatch):
+    """Where torch's writer met a storage otherwise than as one write of it (another torch), it
+    may have read it before its copy landed: the bytes are made again once copied."""
+    snapshots = StateSnapshot()
+    taken = snapshots.taken({"weight": torch.arange(1000.0)})
+    monkeypatch.setattr(serialize, "address", lambda view: -1)  # no write matches a block
+    waited = []
+    parts = serialized(taken, snapshots.blocks, lambda: waited.append(True))
+
+    assert waited == [True]
+    assert not any(isinstance(part, memoryview) for part in parts)
+    assert torch.equal(loaded(b"".join(parts))["weight"], torch.arange(1000.0))
+
+
+def test_an_empty_storage_and_a_large_pickle_come_through():
+    snapshots = StateSnapshot()
+    state = {"names": [f"name {index}" for index in range(20_000)], "empty": torch.zeros(0)}
+    taken = snapshots.taken(state)
+    restored = loaded(b"".join(serialized(taken, snapshots.blocks, lambda: None)))
+    assert restored["names"][-1] == "name 19999" and restored["empty"].numel() == 0

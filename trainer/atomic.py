@@ -38,14 +38,15 @@ def temporary_path(path: Path) -> Path:
     return path.with_name(f"{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")
 
 
-def write_atomic(path: Path, data: bytes | memoryview, what: str, fix: str = RUN_FOLDER_FIX) -> None:
-    """`data` into `path`, all or nothing; NotWritten (one line naming `what`, the reason
-    and `fix`) when the disk refuses."""
+def write_atomic(path: Path, data: bytes | memoryview | list, what: str, fix: str = RUN_FOLDER_FIX) -> None:
+    """`data` (or a list of buffers, one after another) into `path`, all or nothing; NotWritten
+    (one line naming `what`, the reason and `fix`) when the disk refuses."""
     temporary = temporary_path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(temporary, "wb") as file:
-            file.write(data)
+            for part in data if isinstance(data, list) else [data]:
+                file.write(part)
             file.flush()
             # Some file systems report a full disk only here (NFS, quotas); a rename before
             # the data is on disk can leave an empty file after a crash.

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from trainer.atomic import NotWritten, remove_leftovers, write_atomic
 from trainer.config import ConfigError, TrainerError
-from trainer.serialize import CheckpointBuffer
+from trainer.serialize import serialized
 from trainer.snapshot import StateSnapshot
 
 log = logging.getLogger(__name__)
@@ -35,8 +35,9 @@ CheckpointNotWritten = NotWritten
 
 class Saver:
     """A run's checkpoints, each taken off the training on the caller's thread (a snapshot: the
-    file holds the state as of the call, trainer/snapshot.py), then serialized and written to
-    disk on a thread of its own while training goes on, one at a time. Written in place, a
+    file holds the state as of the call, trainer/snapshot.py) and pickled there without waiting
+    for the GPU's copies, then written to disk on a thread of its own while training goes on,
+    one at a time (trainer/serialize.py says why the work is split so). Written in place, a
     ResNet-18 run's 14 checkpoints held its training thread for 1.5 s on an H100 host, most of it
     fsync and the rename over the last file (outputs/readme/gpu_h100x2_2026-11-26h.md); then
     serialized in place, 0.7 s on an H200 host. `wait` returns once the last one is on disk and
@@ -46,21 +47,25 @@ class Saver:
 
     def __init__(self) -> None:
         self._pending: Future | None = None
-        # both written over by each save, once the last write is done
-        self._snapshot = StateSnapshot()
-        self._buffer = CheckpointBuffer()
+        self._snapshot = StateSnapshot()  # its memory written over by each save, after the last write
 
     def save(self, path: Path, stateful: dict, **extra) -> None:
         """state_of(stateful, extra) into `path`, atomically (trainer.atomic), once this returns
-        and `wait` has."""
+        and `wait` has. A state that torch.save cannot pickle raises here."""
         self.wait()
-        snapshot = self._snapshot.taken(state_of(stateful, extra))
+        snapshot = self._snapshot.taken(state_of(stateful, extra), wait=False)
+        try:
+            parts = serialized(snapshot, self._snapshot.blocks, self._snapshot.copied)  # its bytes unread
+        except BaseException:
+            self._snapshot.copied()  # no copy left in flight into memory the next save writes
+            raise
         writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
-        self._pending = writer.submit(self._write, path, snapshot)
+        self._pending = writer.submit(self._write, path, parts)
         writer.shutdown(wait=False)  # its thread ends once the write has
 
-    def _write(self, path: Path, snapshot: dict) -> None:
-        write_atomic(path, self._buffer.serialized(snapshot), "the checkpoint")
+    def _write(self, path: Path, parts: list) -> None:
+        self._snapshot.copied()
+        write_atomic(path, parts, "the checkpoint")
 
     def wait(self) -> None:
         pending = self._pending

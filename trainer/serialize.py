@@ -1,29 +1,29 @@
-"""A checkpoint's bytes: torch.save's zip, made in memory kept from one checkpoint to the next,
-without the zip's CRC-32s.
+"""A checkpoint's bytes: torch.save's zip, without the zip's CRC-32s, as a list of buffers whose
+large parts are the snapshot's own memory, not copies of it.
 
 torch.load never checks those checksums (a flipped byte of a tensor loads as it is, tried on
 torch 2.14), and computing them was 40% of serializing a ResNet-18 checkpoint (134 MB of weights
-and optimizer state): 175 against 100 ms on the 2-core CPU host. A run serializes on its
-training thread at each epoch's end, with the GPU idle: a ResNet-18 run's 14 checkpoints held it
-for 1.5 s on an H100 host, 1.26 s of it in torch's zip writer (py-spy, recipe=resnet18_94,
-README "From Enter to result"). The atomic write (trainer/atomic.py) is what keeps a checkpoint
-whole.
+and optimizer state): 175 against 100 ms on the 2-core CPU host. The atomic write
+(trainer/atomic.py) is what keeps a checkpoint whole.
 
-The state is serialized on the checkpoint's writer thread, from a snapshot in host memory
-(trainer/snapshot.py). A first try, serializing there from a copy made on the GPU, cost the
-training more than it saved: 64k against 74.5k ResNet-18 images/s on one H100, the time to 94%
-10.0-10.2 s against 8.8 s (the writer copying from the GPU one storage at a time, and its
-Python work holding the interpreter's lock while the training thread queued steps). Here the
-writer touches no GPU, and copies its large writes with the lock let go.
+torch.save's Python work (pickling the state, one zip record per storage) runs on the caller's
+thread, where it reads no tensor's bytes: each storage's bytes are handed to `write` as a view of
+the snapshot's host memory (trainer/snapshot.py), and kept as that view. The writer's thread
+then waits for the snapshot's copies and writes the views out, its Python's lock let go in each
+write. Serialized whole on the writer's thread instead, into memory kept for it, the writer's
+Python work shared the interpreter's lock with the training thread while the next epoch
+trained: `perf=fast` lost 2% of its images/s in 3-epoch runs on one H200 (82,994 against
+84,858, README "From Enter to result"). Serialized whole on the training thread, with the GPU
+idle, a ResNet-18 run's 14 checkpoints had held it for 0.7-1.5 s.
 
-Owns: how a checkpoint's state becomes bytes, and the memory they are made in. Must not touch:
-what it holds and where it goes (trainer/checkpoint.py).
+Owns: how a checkpoint's state becomes bytes. Must not touch: what it holds and where it goes
+(trainer/checkpoint.py), the copy of the state (trainer/snapshot.py).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable
 
 
 def without_zip_checksum() -> contextlib.AbstractContextManager:
@@ -34,82 +34,61 @@ def without_zip_checksum() -> contextlib.AbstractContextManager:
     return config.patch("save.compute_crc32", False)
 
 
-class CheckpointBuffer:
-    """The memory torch.save writes a run's checkpoints into, kept from one checkpoint to the
-    next (file-like: torch.save calls `write`). A fresh io.BytesIO per checkpoint spent most of
-    its time faulting in new pages and copying as it grew: 88-99 ms per ResNet-18 checkpoint on
-    the 2-core CPU, against 28-30 ms into memory kept from the checkpoint before. The first is
-    sized from the state's tensors, so that it is one allocation too.
+def serialized(state: object, kept: dict[int, int], copied: Callable[[], None]) -> list:
+    """torch.save's bytes of `state` as buffers, in order: each write of one of the memory
+    blocks in `kept` (address -> bytes: the snapshot's host storages, which outlive the write,
+    their bytes still being copied until `copied` returns) kept as a view of it, unread;
+    everything else (the pickle, the zip's records, storages not in `kept`) copied as it comes.
+    Where torch's writer did not hand over each block whole, in one write, it may have read one
+    early: then after `copied`, the whole is made again from the copied bytes."""
+    import torch
 
-    serialized() hands out a view of the memory; the next call writes over it, so the view must
-    be written out first (checkpoint.Saver waits for its last write before serializing again)."""
-
-    def __init__(self) -> None:
-        self.memory = bytearray()
-        self.size = 0
-
-    def serialized(self, state: dict) -> memoryview:
-        """torch.save's bytes, made in memory: torch's own file writer reports a full disk or a
-        file-size limit only as "enforce fail at inline_container.cc", a plain write says which
-        it was."""
-        import torch
-
-        expected = storage_bytes(state)
-        if len(self.memory) < expected:
-            self.memory = bytearray(expected + expected // 64 + (1 << 20))  # + pickle and zip records
-        self.size = 0
+    parts = Parts(kept)
+    with without_zip_checksum():
+        torch.save(state, parts)
+    if parts.viewed != set(kept):
+        copied()
+        parts = Parts({})
         with without_zip_checksum():
-            torch.save(state, self)
-        return memoryview(self.memory)[: self.size]
+            torch.save(state, parts)
+    return parts.done()
+
+
+class Parts:
+    """The file-like torch.save writes into (`serialized`)."""
+
+    def __init__(self, kept: dict[int, int]) -> None:
+        self.kept = kept
+        self.viewed: set[int] = set()  # the blocks of `kept` met whole, as one write each
+        self.parts: list = []
+        self.small = bytearray()  # the copied writes since the last view, joined
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
-        end = self.size + view.nbytes
-        if end > len(self.memory):  # more than expected: grow, keeping what is written
-            grown = bytearray(max(end, len(self.memory) * 3 // 2))
-            grown[: self.size] = memoryview(self.memory)[: self.size]
-            self.memory = grown
-        if view.nbytes >= LARGE_WRITE:
-            copy_without_the_lock(memoryview(self.memory)[self.size : end], view)
+        start = address(view) if view.nbytes else None
+        if start in self.kept and self.kept[start] == view.nbytes:
+            self._close_small()
+            self.parts.append(view)
+            self.viewed.add(start)
         else:
-            self.memory[self.size : end] = view
-        self.size = end
+            self.small += view
         return view.nbytes
 
     def flush(self) -> None:
-        """torch.save flushes its file when done; this memory has nothing to flush."""
+        """torch.save flushes its file when done: nothing is held back here."""
+
+    def done(self) -> list:
+        self._close_small()
+        return self.parts
+
+    def _close_small(self) -> None:
+        if self.small:
+            self.parts.append(bytes(self.small))
+            self.small = bytearray()
 
 
-# Writes this large (a storage's bytes) are copied by numpy, which lets go of Python's lock while
-# it copies: a slice assignment holds it throughout, and the training thread waits
-# (checkpoint.Saver serializes on its writer's thread while the next epoch trains). 134 MB in
-# 9.4 MB writes from a thread, the 2-core CPU: a Python loop on the main thread ran at 0.9 of its
-# speed beside numpy's copies (83 ms), at 0.3-0.4 beside slice assignments (15 ms).
-LARGE_WRITE = 1 << 16
-
-
-def copy_without_the_lock(target: memoryview, source: memoryview) -> None:
+def address(view: memoryview) -> int:
+    """Where a buffer's bytes are (read-only ones too, as torch's writer hands them)."""
     import numpy as np
 
-    np.frombuffer(target, dtype=np.uint8)[:] = np.frombuffer(source, dtype=np.uint8)
-
-
-def storage_bytes(state: object) -> int:
-    """The bytes of the storages under the state's tensors, each storage once (as torch.save
-    writes them: tied weights and views share one)."""
-    storages = (tensor.untyped_storage() for tensor in tensors_in(state))
-    return sum({storage.data_ptr(): storage.nbytes() for storage in storages}.values())
-
-
-def tensors_in(state: object) -> Iterator:
-    """Every tensor in nested dicts, lists and tuples."""
-    import torch
-
-    if isinstance(state, torch.Tensor):
-        yield state
-    elif isinstance(state, dict):
-        for value in state.values():
-            yield from tensors_in(value)
-    elif isinstance(state, (list, tuple)):
-        for value in state:
-            yield from tensors_in(value)
+    return np.frombuffer(view, dtype=np.uint8).__array_interface__["data"][0]

@@ -6,10 +6,9 @@ Serialized on the training thread at each epoch's end, a ResNet-18 checkpoint (1
 that thread, the GPU idle, for 50 ms per epoch on an H200 host: 0.7 s of a 14-epoch run
 (py-spy, recipe=resnet18_94, outputs/readme/gpu_h200_2026-11-28d.md), most of it torch's zip
 writer and one synchronizing copy per storage. Taking the snapshot costs one copy of each
-storage into host memory (page-locked for the GPU's, so they go as one batch with one wait),
-and torch.save, run from another thread, lets go of Python's lock while it writes the bytes
-(torch.save of 134 MB in 200 CPU tensors from a thread left a Python loop on the main thread at
-its full speed, the 2-core CPU host).
+storage into host memory, page-locked for the GPU's, so they go as one batch that the training
+thread does not wait for: the writer's thread waits for it (`copied`) before it writes the
+bytes (trainer/serialize.py).
 
 Storages are copied once each, and each tensor is made again as the same view of its copy:
 tensors that share a storage (tied weights, views) still share one in the file, as torch.save
@@ -27,20 +26,37 @@ import copy
 class StateSnapshot:
     """`taken(state)`: the state as of the call, sharing no memory with it. The host memory of
     the last snapshot is written over by the next: its serialization must be done first
-    (checkpoint.Saver waits for its last write before taking another)."""
+    (checkpoint.Saver waits for its last write before taking another). The GPU's copies are
+    ordered on its current stream, before any later work there changes the state."""
 
     def __init__(self) -> None:
         self._host: list[tuple] = []  # (host storage, page-locked), in the order the state's storages are met
+        self._copying: list = []  # the last snapshot's copies from the GPUs: one event per GPU
+        self.blocks: dict[int, int] = {}  # the last snapshot's host storages but empty ones: address -> bytes
 
-    def taken(self, state: object) -> object:
+    def taken(self, state: object, wait: bool = True) -> object:
+        """The snapshot; its copies from a GPU still under way where not `wait`: `copied` waits
+        for them (the host memory is not to be read before)."""
         import torch
 
         copies: dict[tuple, object] = {}  # (device, the storage) -> its host copy
         snapshot = self._rebuilt(state, copies)
+        self.blocks = {host.data_ptr(): host.nbytes() for host in copies.values() if host.nbytes()}
         devices = {key[0] for key in copies if key[0].type == "cuda"}
-        for device in devices:  # the copies went without waiting: wait once per GPU
-            torch.cuda.current_stream(device).synchronize()
+        self._copying = []
+        for device in devices:  # the copies went without waiting: one event per GPU
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+            self._copying.append(event)
+        if wait:
+            self.copied()
         return snapshot
+
+    def copied(self) -> None:
+        """Until the last snapshot's copies from the GPUs are in host memory (Python's lock let
+        go while waiting)."""
+        for event in self._copying:
+            event.synchronize()
 
     def _rebuilt(self, value: object, copies: dict) -> object:
         import torch
