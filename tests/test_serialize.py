@@ -73,3 +73,16 @@ def test_an_empty_storage_and_a_large_pickle_come_through():
     taken = snapshots.taken(state)
     restored = loaded(b"".join(serialized(taken, snapshots.blocks, lambda: None)))
     assert restored["names"][-1] == "name 19999" and restored["empty"].numel() == 0
+
+
+def test_where_torch_has_no_checksum_switch_the_copies_are_waited_for_first(monkeypatch):
+    """Before torch 2.6 its writer computes each record's CRC-32, reading the storage's bytes."""
+    snapshots = StateSnapshot()
+    taken = snapshots.taken({"weight": torch.arange(10.0)})
+    monkeypatch.setattr(serialize, "without_zip_checksum", lambda: None)
+    order, save = [], torch.save
+    monkeypatch.setattr(torch, "save", lambda *args: (order.append("save"), save(*args))[1])
+    parts = serialized(taken, snapshots.blocks, lambda: order.append("copied"))
+
+    assert order[:2] == ["copied", "save"]
+    assert torch.equal(loaded(b"".join(parts))["weight"], torch.arange(10.0))

@@ -189,7 +189,7 @@ class Run:
             log.info("resume=%s had already finished: nothing left to train", self.cfg.resume)
             self.save_checkpoint()
         if self.cfg.export is not ExportFormat.none and self.parts.ranks.is_main:
-            self.saver.wait()  # its writer's torch.save switches the zip's checksums off while it runs
+            self.saver.wait()  # the checkpoint on disk before the exported weights
             exported = export_model(self.parts.average.module, self.cfg.export, self.run_dir)
             self.exported = path_in(self.run_dir, exported)
 

@@ -26,11 +26,13 @@ import contextlib
 from collections.abc import Callable
 
 
-def without_zip_checksum() -> contextlib.AbstractContextManager:
+def without_zip_checksum() -> contextlib.AbstractContextManager | None:
+    """torch.save's CRC-32s switched off while in it; None where torch has no such switch
+    (before 2.6): its writer then reads every storage's bytes as it writes its record."""
     try:
         from torch.utils.serialization import config  # torch 2.6 and later
     except ImportError:
-        return contextlib.nullcontext()
+        return None
     return config.patch("save.compute_crc32", False)
 
 
@@ -40,16 +42,23 @@ def serialized(state: object, kept: dict[int, int], copied: Callable[[], None]) 
     their bytes still being copied until `copied` returns) kept as a view of it, unread;
     everything else (the pickle, the zip's records, storages not in `kept`) copied as it comes.
     Where torch's writer did not hand over each block whole, in one write, it may have read one
-    early: then after `copied`, the whole is made again from the copied bytes."""
+    early: then after `copied`, the whole is made again from the copied bytes. The file is
+    torch.save's, but for one field torch.load does not read: torch's writer looks at the first
+    bytes of each write for a zip marker to build `.data/serialization_id`, and reads a kept
+    block's before its copy has landed."""
     import torch
 
+    switch = without_zip_checksum()
+    if switch is None:  # its checksums read the bytes: only once they are copied
+        copied()
+        switch = contextlib.nullcontext()
     parts = Parts(kept)
-    with without_zip_checksum():
+    with switch:
         torch.save(state, parts)
     if parts.viewed != set(kept):
         copied()
         parts = Parts({})
-        with without_zip_checksum():
+        with without_zip_checksum() or contextlib.nullcontext():
             torch.save(state, parts)
     return parts.done()
 

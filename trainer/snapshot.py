@@ -31,7 +31,7 @@ class StateSnapshot:
 
     def __init__(self) -> None:
         self._host: list[tuple] = []  # (host storage, page-locked), in the order the state's storages are met
-        self._copying: list = []  # the last snapshot's copies from the GPUs: one event per GPU
+        self._copying: list = []  # the last snapshot's copies from the GPUs: (device, event) per GPU
         self.blocks: dict[int, int] = {}  # the last snapshot's host storages but empty ones: address -> bytes
 
     def taken(self, state: object, wait: bool = True) -> object:
@@ -47,7 +47,7 @@ class StateSnapshot:
         for device in devices:  # the copies went without waiting: one event per GPU
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(device))
-            self._copying.append(event)
+            self._copying.append((device, event))
         if wait:
             self.copied()
         return snapshot
@@ -55,8 +55,11 @@ class StateSnapshot:
     def copied(self) -> None:
         """Until the last snapshot's copies from the GPUs are in host memory (Python's lock let
         go while waiting)."""
-        for event in self._copying:
-            event.synchronize()
+        import torch
+
+        for device, event in self._copying:
+            with torch.cuda.device(device):  # on a new thread: not a context made on GPU 0 to wait
+                event.synchronize()
 
     def _rebuilt(self, value: object, copies: dict) -> object:
         import torch
