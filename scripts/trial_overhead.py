@@ -20,6 +20,8 @@ the last two); from metrics.json, startup_s (the process before the run's set-up
   no-graphs       compile_mode=default: no CUDA graph pools (changes the work; for the exit only)
   forked          the tuner's --trial-start forked (trainer/trial_fork.py): forked from a process
                   that imported the trainer once, ended as multiprocessing ends a child
+  forked-bare-server  forked from a server that preloads only what every run imports, not what
+                  the model's build imports (torchvision for ResNet-18), which the tuner's has
   forked-no-autotune  forked, with cudnn_benchmark=false: whether cuDNN's autotuning, which can
                   pick other algorithms in another process, is what spreads images/s between trials
 
@@ -50,6 +52,9 @@ from trainer import bytecode  # noqa: E402
 # source (the forked variant's 4 s more than plain, outputs/readme/gpu_h100x2_2026-11-26g.md).
 bytecode.cache_bytecode()
 
+from trainer import forkserver  # noqa: E402
+from trainer.cli_checks import check_composition  # noqa: E402
+from trainer.config import register_schema  # noqa: E402
 from trainer.trial_fork import forked_trial, start_forkserver  # noqa: E402
 from trainer.trials import timed_epochs  # noqa: E402
 
@@ -75,6 +80,7 @@ VARIANTS = {  # environment, extra overrides, how the trial starts and ends
     "os-exit": ({}, [], "os-exit"),
     "no-graphs": ({}, ["compile_mode=default"], "plain"),
     "forked": ({}, [], "forked"),
+    "forked-bare-server": ({}, [], "forked"),
     "forked-no-autotune": ({}, ["cudnn_benchmark=false"], "forked"),
 }
 
@@ -137,13 +143,18 @@ def main() -> None:
         parser.error(f"unknown variant(s) {', '.join(unknown)}: choose from {', '.join(VARIANTS)}")
     args.out.mkdir(parents=True, exist_ok=True)
     overrides = [*args.overrides, *TRIAL]
+    from trainer.models import build_imports  # torch: after the command line's check
+
+    register_schema()
+    model_imports = build_imports(check_composition(overrides).model)
     print("warm-up run (fills the compile cache):", timed_run(overrides, args.out / "warm-up", {}, "plain"))
     columns = ("config", "metrics", "gone", "exit", "startup", "setup", "compile", "train", "img/s")
     print(f"| variant | runs | {' | '.join(columns)} |\n| --- | ---: |{' ---: |' * len(columns)}")
     for name in chosen:
         env, extra, start_end = VARIANTS[name]
-        if start_end == "forked":
-            start_forkserver()  # its imports are paid once, before the first trial, as in the tuner
+        if start_end == "forked":  # the variant's server, its imports paid before its first trial
+            forkserver.stop()
+            start_forkserver(() if name == "forked-bare-server" else model_imports)
         runs = [
             timed_run([*overrides, *extra], args.out / f"{name}-{n}", env, start_end)
             for n in range(args.repeats)

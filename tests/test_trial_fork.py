@@ -16,7 +16,9 @@ from conftest import HANG_GUARD_S, SMALL, cli_environment, ended, ends_soon, run
 
 from trainer import forkserver as server
 from trainer import inductor_preload, trial_fork, trials
+from trainer.config import ModelConfig, ModelName
 from trainer.forkserver import forkserver
+from trainer.models import build_imports
 
 DETERMINISTIC = [*SMALL, "data.train_size=96", "epochs=2", "eval_every=2", "deterministic=true"]
 
@@ -125,9 +127,9 @@ Path(OUT).write_text(f"{loaded}; files read for the keys: {len(read)}; NVML chec
 """
 
 
-def loaded_modules(compiles: bool, out: Path) -> str:
+def loaded_modules(compiles: bool, out: Path, also: tuple[str, ...] = ()) -> str:
     variables = {"OUT": str(out), "NVML": inductor_preload.NVML_CHECK}
-    child = forkserver(compiles).Process(target=exec, args=(LOADED_MODULES, variables))
+    child = forkserver(compiles, also).Process(target=exec, args=(LOADED_MODULES, variables))
     child.start()
     child.join(HANG_GUARD_S)
     assert child.exitcode == 0
@@ -146,6 +148,15 @@ def fresh_server():
 def test_the_server_preloads_inductor_for_processes_that_compile_and_not_torchvision(tmp_path, fresh_server):
     loaded = "torch._inductor.compile_fx; files read for the keys: 0; NVML check: None"
     assert loaded_modules(True, tmp_path / "modules") == loaded
+
+
+def test_the_server_preloads_what_the_trials_model_imports_as_it_is_built(tmp_path, fresh_server):
+    also = build_imports(ModelConfig(name=ModelName.resnet18))
+    assert also == ("torchvision",)
+    assert build_imports(ModelConfig(name=ModelName.fastcnn)) == ()
+    assert build_imports(ModelConfig(name=ModelName.resnet18, target="mine:net")) == ()
+    loaded = "torch._inductor.compile_fx torchvision; files read for the keys: 0; NVML check: None"
+    assert loaded_modules(True, tmp_path / "modules", also) == loaded
 
 
 def test_after_the_preload_dynamo_has_its_backends_without_reading_packages_again():

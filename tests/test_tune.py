@@ -305,24 +305,25 @@ def test_toggles_a_device_cannot_use_are_listed_with_the_reason():
     assert {c.name for c in split.tryable} == {"channels_last", "set_to_none", "compile"}
 
 
-def test_forked_trials_start_the_forkserver_at_the_first_new_trial_and_a_resume_on_record_none(
+def test_forked_trials_start_the_forkserver_with_the_models_imports_at_the_first_new_trial_a_resume_none(
     tmp_path, monkeypatch
 ):
     started, made_up = (
         [],
         {"status": "completed", "img_per_s": 100, "peak_mem_mb": None, "data_wait_frac": None},
     )
-    monkeypatch.setattr("trainer.tune.bench.start_forkserver", lambda: started.append(time.monotonic()))
+    monkeypatch.setattr("trainer.tune.bench.start_forkserver", lambda also: started.append(also))
     monkeypatch.setattr("trainer.tune.bench.steady_numbers", lambda trial: made_up)
     on_record = {"trial": 1, "setting": "perf=default", "overrides": [], "base": [], "machine": "here"}
     on_record |= {"trial_start": "forked", **made_up}
-    bench = Bench([], tmp_path, 1, 60, 0.02, earlier=[on_record], machine="here", trial_start="forked")
+    forked = {"machine": "here", "trial_start": "forked", "preload": ("torchvision",)}
+    bench = Bench([], tmp_path, 1, 60, 0.02, earlier=[on_record], **forked)
     bench.start = lambda overrides, run_dir, timeout_s: Trial(run_dir, {}, 0, "", "", 0.0)  # no process
 
     assert bench.measure("baseline", "perf=default", []).summary["runs"] == 1 and started == []
     bench.measure("alone", "channels_last", ["channels_last=true"])
     bench.measure("alone", "set_to_none", ["set_to_none=true"])
-    assert len(started) == 1 and bench.trials == 3
+    assert started == [("torchvision",)] and bench.trials == 3
 
 
 TINY = ["model=cnn", "data=synthetic", "data.train_size=128", "data.test_size=64", "batch_size=32"]

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from trainer import forkserver
 from trainer.config import ConfigError, DdpBackend, TrainConfig, TrainerError
 from trainer.console import elastic_logs_to
+from trainer.models import build_imports
 from trainer.torchrun_env import started_by_torchrun  # noqa: F401 - part of this module's interface
 
 log = logging.getLogger(__name__)
@@ -264,7 +265,7 @@ def launch_ranks(cfg: TrainConfig, device_type: str, target: Callable, args: tup
     world_size = world_size_for(cfg, device_type)
     log.info("ddp: launching %d processes (%s)", world_size, device_type)
     if forkserver.available():  # started for launch(): inductor preloaded only where the ranks compile
-        forkserver.start(compiles=cfg.compile)
+        forkserver.start(compiles=cfg.compile, also=build_imports(cfg.model))
     return launch(world_size, target, args, cfg.ddp_max_restarts, log_dir=log_dir)
 
 

@@ -9,7 +9,8 @@ unless the caller's processes compile nothing (a DDP run with compile=false), in
 cache keys (trainer/inductor_preload.py, imported so that it starts no CUDA), which a process
 that compiles would otherwise import and work out at its first torch.compile.
 None of the preloaded modules starts CUDA: each forked process starts its own context. Other
-modules a run of some setting would not import (torchvision for the CNNs) stay out.
+modules a run of some setting would not import (torchvision for the CNNs) stay out, unless the
+caller names them (`also`: what its runs' model imports as it is built, trainer/models.py).
 
 A forked process starts with the server's environment, from when the server started; the
 caller's environment of now travels with each process (`environment_now`, `take_environment`).
@@ -63,16 +64,19 @@ def available() -> bool:
     return "forkserver" in multiprocessing.get_all_start_methods()
 
 
-def forkserver(compiles: bool = True) -> multiprocessing.context.ForkServerContext:
-    """multiprocessing's forkserver context, its server preloading PRELOAD, and COMPILING where
-    the processes forked from it may compile, when it starts (at the first process forked from
-    it; it lives until this process ends). A server already running keeps what it preloaded."""
+def forkserver(
+    compiles: bool = True, also: tuple[str, ...] = ()
+) -> multiprocessing.context.ForkServerContext:
+    """multiprocessing's forkserver context, its server preloading PRELOAD, COMPILING where
+    the processes forked from it may compile, and `also`, when it starts (at the first process
+    forked from it; it lives until this process ends). A server already running keeps what it
+    preloaded."""
     global _context
     if _context is None:
         _context = multiprocessing.get_context("forkserver")
         atexit.register(stop)
     if not running():  # the list counts when the server starts
-        _context.set_forkserver_preload(list(PRELOAD + (COMPILING if compiles else ())))
+        _context.set_forkserver_preload(list(PRELOAD + (COMPILING if compiles else ()) + also))
     return _context
 
 
@@ -97,11 +101,11 @@ def stop() -> None:
     server._stop()
 
 
-def start(compiles: bool = True) -> None:
+def start(compiles: bool = True, also: tuple[str, ...] = ()) -> None:
     """The server started now, if it is not running yet; it imports its preload in its own
     process while this one goes on, or, where this process holds that preload already (a command
     forked from `python -m trainer.serve`), it is forked from this one with it."""
-    forkserver(compiles)
+    forkserver(compiles, also)
     if running() or not holds_the_preload():
         multiprocessing.forkserver.ensure_running()
         return

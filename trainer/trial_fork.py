@@ -97,12 +97,12 @@ def ready() -> None:
     """A forked process's whole work when start_forkserver waits for the server."""
 
 
-def start_forkserver() -> None:
+def start_forkserver(also: tuple[str, ...] = ()) -> None:
     """Starts the forkserver now and waits until its imports are done (seconds), so that the
-    first trial's time is a trial's like the others': the server imports PRELOAD before it
-    forks anything, so the first trial would otherwise wait for it. A process that does nothing
-    is forked to know."""
-    waiter = forkserver().Process(target=ready)
+    first trial's time is a trial's like the others': the server imports PRELOAD (and `also`,
+    what the trials' model imports as it is built) before it forks anything, so the first trial
+    would otherwise wait for it. A process that does nothing is forked to know."""
+    waiter = forkserver(also=also).Process(target=ready)
     start_process(waiter)
     waiter.join()
 

@@ -237,9 +237,11 @@ def listen(path: Path) -> socket.socket:
     return listener
 
 
-# Beside the forkserver's preload: what a run reads its data with, and a parallel sweep's pool
+# Beside the forkserver's preload: what a run reads its data with, what ResNet-18's build imports
+# (trainer/models.py, BUILD_IMPORTS; a served DDP run's ranks are forked from this process only
+# where it holds what their server would preload), and a parallel sweep's pool
 # (hydra/launcher=parallel), which the sweep's process and each of its workers import.
-ALSO_PRELOADED = ("numpy", "joblib", "joblib.externals.loky.process_executor")
+ALSO_PRELOADED = ("numpy", "torchvision", "joblib", "joblib.externals.loky.process_executor")
 
 
 def preload() -> None:

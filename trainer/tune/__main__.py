@@ -197,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError) as error:
         print(f"tune: error: {error}", file=sys.stderr)
         return 2
+    from trainer.models import build_imports
     from trainer.trials import environment, machine  # torch, once the command line has passed
     from trainer.tune.output import spread_note, unfinished, write_all
     from trainer.tune.search import TuneError, search
@@ -212,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     bench = Bench(
         base, out, args.repeats, 60 * args.budget_min, args.min_gain, earlier, machine(),
-        trial_start=args.trial_start,
+        trial_start=args.trial_start, preload=build_imports(cfg.model),
     )  # fmt: skip
     say_what_is_reused(bench, out, bool(earlier))
     print(f"tune: {len(split.tryable)} toggle(s) to try on {device}, writing to {out}", flush=True)

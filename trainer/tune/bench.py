@@ -88,10 +88,12 @@ class Bench:
         earlier: list[dict] | None = None,
         machine: str = "",
         trial_start: str = "fresh",
+        preload: tuple[str, ...] = (),
     ):
         self.base, self.out, self.repeats = base, out, repeats
         self.budget_s, self.min_gain, self.machine = budget_s, min_gain, machine
         self.trial_start, self.start = trial_start, TRIAL_STARTS[trial_start]
+        self.preload = preload  # what the trials' model imports as it is built: the forkserver's too
         self.to_fork_from = trial_start == "forked"  # the forkserver, until the first trial starts it
         self.started = time.monotonic()
         self.durations: list[float] = []
@@ -215,7 +217,7 @@ class Bench:
         that neither that trial's time nor the budget holds them (4.6 s on the 2-core CPU host);
         a --resume whose trials are all on record starts none."""
         waited = time.monotonic()
-        start_forkserver()
+        start_forkserver(self.preload)
         self.started += time.monotonic() - waited
         self.to_fork_from = False
 
