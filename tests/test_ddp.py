@@ -125,16 +125,21 @@ def test_ranks_see_the_launchers_environment_of_now_and_their_own_rank(monkeypat
     assert launch(2, rank_environment, (name,)) == (None, "0", 0)
 
 
-@pytest.mark.parametrize("compiles", [False, True])
-def test_the_ranks_server_preloads_inductor_only_for_a_run_that_compiles(monkeypatch, compiles):
+@pytest.mark.parametrize(
+    ("compiles", "model", "also"), [(False, "cnn", ()), (True, "resnet18", ("torchvision",))]
+)
+def test_the_ranks_server_preloads_inductor_only_for_a_run_that_compiles_and_what_its_model_imports(
+    monkeypatch, compiles, model, also
+):
     from trainer import distributed, forkserver
 
     started = []
-    monkeypatch.setattr(forkserver, "start", lambda compiles: started.append(compiles))
+    monkeypatch.setattr(forkserver, "start", lambda compiles, also: started.append((compiles, also)))
     monkeypatch.setattr(distributed, "launch", lambda *args, **kwargs: "launched")
-    cfg = to_train_config(compose_config(*SMALL, "ddp=true", "devices=2", f"compile={str(compiles).lower()}"))
+    overrides = (*SMALL, "ddp=true", "devices=2", f"compile={str(compiles).lower()}", f"model={model}")
+    cfg = to_train_config(compose_config(*overrides))
     assert distributed.launch_ranks(cfg, "cpu", rank_environment, (), log_dir=Path(".")) == "launched"
-    assert started == ([compiles] if forkserver.available() else [])
+    assert started == ([(compiles, also)] if forkserver.available() else [])
 
 
 def test_accumulation_skips_the_all_reduce_between_boundaries(tmp_path):
