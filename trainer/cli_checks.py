@@ -114,7 +114,7 @@ def check_composition(
     if machine:
         check_machine(train_config)
     if train_config.model.target:
-        from trainer.models import check_target  # torch: the config is otherwise valid by now
+        from trainer.model_target import check_target  # torch: the config is otherwise valid by now
 
         check_target(train_config.model.target)
     return train_config
