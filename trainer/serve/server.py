@@ -237,18 +237,22 @@ def listen(path: Path) -> socket.socket:
     return listener
 
 
-# Beside the forkserver's preload: what a run reads its data with, what ResNet-18's build imports
-# (trainer/models.py, BUILD_IMPORTS; a served DDP run's ranks are forked from this process only
-# where it holds what their server would preload), and a parallel sweep's pool
+# Beside the forkserver's preload: what a run reads its data with, and a parallel sweep's pool
 # (hydra/launcher=parallel), which the sweep's process and each of its workers import.
-ALSO_PRELOADED = ("numpy", "torchvision", "joblib", "joblib.externals.loky.process_executor")
+ALSO_PRELOADED = ("numpy", "joblib", "joblib.externals.loky.process_executor")
 
 
 def preload() -> None:
-    """What every run imports, as the forkserver preloads it (CUDA left alone)."""
+    """What every run imports, as the forkserver preloads it, and what each built-in model's
+    build imports (a served DDP run's ranks are forked from this process only where it holds
+    what their server would preload); CUDA left alone."""
     from trainer import forkserver
 
     for name in forkserver.PRELOAD + forkserver.COMPILING + ALSO_PRELOADED:
+        importlib.import_module(name)
+    from trainer.models import BUILD_IMPORTS  # imported with the trainer, above
+
+    for name in dict.fromkeys(name for names in BUILD_IMPORTS.values() for name in names):
         importlib.import_module(name)
     import torch
 
